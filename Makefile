@@ -1,0 +1,23 @@
+# Every command runs in the project virtualenv .venv, built by scripts/setup_env.sh (idempotent).
+PY := .venv/bin/python
+
+.PHONY: setup demo test test-fast workloads target drafter
+setup:
+	bash scripts/setup_env.sh
+
+demo: setup                    ## DLite vs no speculation on held-out agentic replay (vLLM, CPU)
+	$(PY) examples/offline_generate.py
+
+test: setup                    ## the whole suite, slow end-to-end tests included (CI runs this)
+	$(PY) -m pytest -q tests
+
+test-fast: setup               ## skip the slow end-to-end tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+workloads: setup               ## regenerate the shipped held-out workload files
+	for k in agentic:24 code:64 chat:64; do \
+	  $(PY) -m vllm_dlite.workloads.generator --kind $${k%%:*} --split heldout -n $${k##*:} --seed 1 \
+	    --out benchmarks/workloads/heldout_$${k%%:*}.jsonl; done
+
+target: setup                  ## retrain the tiny target (about 45 minutes on 2 cores)
+	$(PY) -m vllm_dlite.target.train --out models/qwen3-tiny-stdlib
