@@ -1,0 +1,197 @@
+"""Recipe for the tiny Qwen3 target, trained from scratch on this machine.
+
+    .venv/bin/python -m vllm_dlite.target.train --out models/qwen3-tiny-stdlib
+
+Steps (all deterministic given ``--seed``):
+1. training-split workloads from ``vllm_dlite.workloads.generator`` (agentic, code, chat);
+2. a byte-level BPE tokenizer (``tokenizers``) on the training-split stdlib source + sessions;
+3. a 12-layer ``Qwen3ForCausalLM`` trained with next-token loss on a mix of stdlib source
+   (the running interpreter's ``Lib/``, training-split files) and chat-template-rendered
+   sessions; a final phase trains on whole agentic sessions of >= 8k tokens;
+4. held-out loss on held-out-split sessions and files; weights saved in bf16 with
+   ``config.json``, tokenizer files and ``training_report.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from ..workloads.generator import files_of_split, generate, read_text
+from .tokenizer import train_tokenizer
+
+TARGET_SHAPE = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=12,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def render_sessions(tokenizer, sessions: list[dict]) -> list[list[int]]:
+    docs = []
+    for s in sessions:
+        ids = tokenizer.apply_chat_template(s["messages"], tools=s["tools"] or None, tokenize=True,
+                                            add_generation_prompt=False)
+        if not isinstance(ids, list):  # transformers >= 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        docs.append(list(ids) + [tokenizer.pad_token_id])
+    return docs
+
+
+def encode_files(tokenizer, paths: list[str]) -> list[list[int]]:
+    eot = tokenizer.pad_token_id
+    return [tokenizer.encode(f"# {p}\n" + read_text(p), add_special_tokens=False) + [eot] for p in paths]
+
+
+class PackedStream:
+    """Endless stream of ``seq_len + 1`` windows from shuffled documents of several pools."""
+
+    def __init__(self, pools: list[tuple[list[list[int]], float]], seq_len: int, seed: int):
+        self.pools, self.seq_len = pools, seq_len
+        self.rng = random.Random(seed)
+        self.buf: list[int] = []
+
+    def next_window(self) -> list[int]:
+        while len(self.buf) < self.seq_len + 1:
+            docs = self.rng.choices([p for p, _ in self.pools], weights=[w for _, w in self.pools])[0]
+            self.buf.extend(self.rng.choice(docs))
+        window, self.buf = self.buf[: self.seq_len + 1], self.buf[self.seq_len:]
+        return window
+
+    def batch(self, batch_size: int) -> torch.Tensor:
+        return torch.tensor([self.next_window() for _ in range(batch_size)], dtype=torch.long)
+
+
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+@torch.no_grad()
+def mean_loss(model, docs: list[list[int]], seq_len: int, max_windows: int) -> float:
+    model.eval()
+    stream = PackedStream([(docs, 1.0)], seq_len, seed=1234)
+    losses = [lm_loss(model, stream.batch(1)).item() for _ in range(max_windows)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="models/qwen3-tiny-stdlib")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--sessions", type=int, nargs=3, default=[200, 2000, 2000],
+                    metavar=("AGENTIC", "CODE", "CHAT"), help="training sessions per kind")
+    ap.add_argument("--steps", type=int, default=260, help="steps of phase 1 (seq-len tokens x batch)")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--long-steps", type=int, default=20, help="phase 2 steps on whole long sessions")
+    ap.add_argument("--long-seq-len", type=int, default=8192)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    args = ap.parse_args(argv)
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    n_agentic, n_code, n_chat = args.sessions
+    sessions = (generate("agentic", "train", n_agentic, args.seed) + generate("code", "train", n_code, args.seed)
+                + generate("chat", "train", n_chat, args.seed))
+    heldout_sessions = (generate("agentic", "heldout", 12, args.seed + 1) + generate("code", "heldout", 64, args.seed + 1)
+                        + generate("chat", "heldout", 64, args.seed + 1))
+    train_files, heldout_files = files_of_split("train"), files_of_split("heldout")
+    print(f"[data] {len(sessions)} train sessions, {len(train_files)} train files ({time.time() - t0:.0f}s)", flush=True)
+
+    def tokenizer_texts():
+        for p in train_files:
+            yield read_text(p)
+        for s in sessions:
+            yield json.dumps(s["messages"], ensure_ascii=False)
+    tokenizer = train_tokenizer(tokenizer_texts(), args.vocab_size)
+    tokenizer.save_pretrained(out)
+    print(f"[tokenizer] vocab {len(tokenizer)} ({time.time() - t0:.0f}s)", flush=True)
+
+    code_docs = encode_files(tokenizer, train_files)
+    session_docs = render_sessions(tokenizer, sessions)
+    long_docs = [d for d, s in zip(session_docs, sessions) if s["kind"] == "agentic" and len(d) >= 8192]
+    heldout_docs = render_sessions(tokenizer, heldout_sessions)
+    heldout_code = encode_files(tokenizer, heldout_files)
+    n_code_tok, n_sess_tok = sum(map(len, code_docs)), sum(map(len, session_docs))
+    print(f"[corpus] stdlib {n_code_tok:,} tokens, sessions {n_sess_tok:,} tokens, "
+          f"{len(long_docs)} agentic sessions >= 8192 tokens ({time.time() - t0:.0f}s)", flush=True)
+
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=32768, rope_theta=1_000_000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+                         bos_token_id=eos_ids[1], eos_token_id=eos_ids, pad_token_id=eos_ids[1],
+                         **TARGET_SHAPE)
+    config._attn_implementation = "sdpa"
+    model = Qwen3ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[model] {n_params / 1e6:.2f}M parameters", flush=True)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    total = args.steps + args.long_steps
+    warmup = max(1, total // 30)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))))
+
+    mixed = PackedStream([(code_docs, 0.35), (session_docs, 0.65)], args.seq_len, seed=args.seed)
+    long_stream = PackedStream([(long_docs or session_docs, 1.0)], args.long_seq_len, seed=args.seed + 7)
+    log = open(out / "train_log.jsonl", "w")
+    tokens = 0
+    t_train = time.time()
+    model.train()
+    for step in range(total):
+        batch = mixed.batch(args.batch_size) if step < args.steps else long_stream.batch(1)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = lm_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens += batch[:, 1:].numel()
+        if step % 20 == 0 or step == total - 1:
+            el = time.time() - t_train
+            eta = el / (step + 1) * (total - step - 1)
+            rec = dict(step=step, loss=round(loss.item(), 4), lr=lr_at(step), tokens=tokens,
+                       seq_len=batch.shape[1] - 1, elapsed_s=round(el), eta_s=round(eta))
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            print(f"[train] step {step}/{total} loss {loss.item():.3f} tok {tokens:,} "
+                  f"{tokens / el:.0f} tok/s eta {eta / 60:.1f} min", flush=True)
+    train_s = time.time() - t_train
+
+    report = dict(
+        name=out.name, parameters=n_params, shape=TARGET_SHAPE, vocab_size=len(tokenizer),
+        training_tokens=tokens, train_wall_s=round(train_s), recipe_wall_s=round(time.time() - t0),
+        steps=args.steps, long_steps=args.long_steps, seq_len=args.seq_len, long_seq_len=args.long_seq_len,
+        batch_size=args.batch_size, corpus_tokens=dict(stdlib=n_code_tok, sessions=n_sess_tok),
+        heldout_loss_sessions=round(mean_loss(model, heldout_docs, 1024, 24), 4),
+        heldout_loss_stdlib=round(mean_loss(model, heldout_code, 1024, 24), 4),
+        train_loss_last=round(loss.item(), 4), torch_threads=torch.get_num_threads(), seed=args.seed,
+        command="python -m vllm_dlite.target.train " + " ".join(argv or []),
+    )
+    model.generation_config.eos_token_id = eos_ids
+    model.generation_config.pad_token_id = eos_ids[1]
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
