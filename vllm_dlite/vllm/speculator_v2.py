@@ -1,0 +1,272 @@
+"""DLite speculator for vLLM's Model Runner V2 (``vllm/v1/worker/gpu/``, the GPU default).
+
+:class:`DLiteSpeculator` subclasses ``DraftModelSpeculator`` and is returned by the wrapped
+``init_speculator`` (see :mod:`vllm_dlite.vllm.plugin`) when the draft checkpoint is DLite.
+
+Per step (``propose``), for the ``num_reqs`` requests of the batch, without CPU-GPU syncs on the
+greedy path:
+
+* feature row of request i = ``query_start_loc[i+1] - 1 - num_rejected[i]`` (its last accepted
+  token, or the last row of its prefill chunk): the row that predicted the anchor;
+* features = the L aux hidden states at those rows, ``[B, L, H]``;
+* anchor = ``last_sampled[idx_mapping[i]]`` when the request sampled a token this step, else
+  ``next_prefill_tokens[idx_mapping[i]]`` (partial prefill chunk; vLLM discards those drafts);
+* one backbone pass + K sequential-head steps -> ``draft_tokens[:num_reqs]``.
+
+No draft attention layers, so no draft KV cache and no draft attention metadata (``set_attn``
+only keeps the runner's objects). ``draft_sample_method="probabilistic"`` samples sampled rows
+from ``softmax(logits / T_request)`` and writes the pre-temperature logits into
+``self.draft_logits[req_state]`` (what V2's rejection sampler reads); this path groups requests
+by temperature (one host sync) and runs eagerly.
+
+CUDA graphs: when the runner's cudagraph mode is not NONE and drafts are greedy, ``capture()``
+records ONE graph per batch size (powers of two up to ``max_num_seqs``, plus ``max_num_seqs``)
+of the whole draft step over static buffers, into vLLM's global graph pool; a batch replays the
+smallest captured size >= its size. The graphs live in a ``CudaGraphManager`` subclass so that
+vLLM's cudagraph memory profiling drops them like its own speculators' managers.
+
+Not supported (clear errors or warnings): tensor/data parallel drafting with a sharded vocab,
+adaptive verification (no confidence head), draft watermarking, multimodal draft inputs.
+
+This module must import on CPU-only installs: vLLM's V2 modules are imported in a ``try`` and a
+placeholder that raises on use is defined when they are unavailable. It was written against
+vLLM 0.32's V2 code and exercised on CPU with a fake batch (tests); GPU graph capture is untested
+here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
+
+try:  # vLLM Model Runner V2 (GPU); importable on CPU installs too, but keep a guard
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    _V2_IMPORT_ERROR: Optional[BaseException] = None
+except Exception as exc:  # noqa: BLE001
+    DraftModelSpeculator = object  # type: ignore[assignment,misc]
+    CudaGraphManager = object  # type: ignore[assignment,misc]
+    CUDAGraphMode = None  # type: ignore[assignment]
+    _V2_IMPORT_ERROR = exc
+
+
+def _capture_sizes(max_num_reqs: int) -> list[int]:
+    sizes, n = [], 1
+    while n < max_num_reqs:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max_num_reqs)
+    return sizes
+
+
+class _DLiteGraphs(CudaGraphManager):  # type: ignore[misc,valid-type]
+    """Holder of the per-batch-size draft graphs (a CudaGraphManager so that vLLM's cudagraph
+    memory profiling discards it after its throwaway capture)."""
+
+    def __init__(self, vllm_config, device, cudagraph_mode, sizes: list[int]):
+        super().__init__(vllm_config, device, cudagraph_mode, decode_query_len=1)
+        self.sizes = sorted(sizes)
+        self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def padded_size(self, num_reqs: int) -> Optional[int]:
+        for size in self.sizes:
+            if size >= num_reqs and size in self.draft_graphs:
+                return size
+        return None
+
+
+class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
+    """History-free DLite drafting for Model Runner V2 (no draft KV cache)."""
+
+    def __init__(self, vllm_config, device: torch.device):
+        if _V2_IMPORT_ERROR is not None:
+            raise RuntimeError(
+                f"vLLM Model Runner V2 is unavailable ({_V2_IMPORT_ERROR!r}); DLite falls back to "
+                "Model Runner V1 when V2 is not used"
+            )
+        super().__init__(vllm_config, device)
+        from vllm_dlite.config import DLiteConfig
+
+        hf = self.draft_model_config.hf_config
+        self.dlite_config = DLiteConfig.from_dict(dict(hf.dlite_config))
+        cfg = self.dlite_config
+        if self.num_speculative_steps > cfg.block_size:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_steps} exceeds the DLite block "
+                f"size K={cfg.block_size}"
+            )
+        if self.enable_adaptive_verification:
+            logger.warning("DLite: adaptive verification is not supported; disabled")
+        self.enable_adaptive_verification = False
+        self.use_acceptance_estimator = False
+        if self.draft_watermarker is not None:
+            logger.warning("DLite: draft watermarking is not supported; drafts are unwatermarked")
+            self.draft_watermarker = None
+        self.draft_attn_layer_names: set[str] = set()
+        self.attn_groups: list = []
+        # static buffers of the draft step (CUDA-graph inputs)
+        self.features = torch.zeros(
+            self.max_num_reqs,
+            cfg.num_feature_layers,
+            cfg.target_hidden_size,
+            dtype=self.dtype,
+            device=device,
+        )
+        self.anchors = torch.zeros(self.max_num_reqs, dtype=torch.long, device=device)
+        self.graphs: Optional[_DLiteGraphs] = None
+
+    # ------------------------------------------------------------------ model / attention
+    def load_draft_model(self, target_model, target_attn_layer_names: set[str]):
+        from vllm.compilation.backends import set_model_tag
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.model_executor.model_loader import get_model
+        from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+        with set_model_tag("dlite_head"):
+            model = get_model(
+                vllm_config=self.vllm_config,
+                model_config=self.draft_model_config,
+                load_config=get_draft_load_config(self.vllm_config),
+            )
+        new = set(get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)) - set(
+            target_attn_layer_names
+        )
+        if new:
+            raise RuntimeError(f"the DLite draft model created attention layers {sorted(new)}")
+        model.bind_target_model(target_model)
+        return model
+
+    def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups):
+        # no draft attention: keep the runner's objects, build no backend
+        self.model_state = model_state
+        self.kv_cache_config = kv_cache_config
+        self.block_tables = block_tables
+        self.target_input_buffers = target_input_buffers
+        self.target_attn_groups = target_attn_groups
+        self.attn_groups = []
+        self.supports_decode_metadata_update = False
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        self.graphs = None
+        use_graphs = (
+            cudagraph_mode is not None
+            and cudagraph_mode != CUDAGraphMode.NONE
+            and torch.device(self.device).type == "cuda"
+            and self.draft_logits is None  # probabilistic drafting runs eagerly
+        )
+        if use_graphs:
+            self.graphs = _DLiteGraphs(
+                self.vllm_config, self.device, cudagraph_mode, _capture_sizes(self.max_num_reqs)
+            )
+
+    def _draft_static(self, n: int) -> None:
+        ids, _ = self.model.propose_drafts(
+            self.features[:n], self.anchors[:n], num_tokens=self.num_speculative_steps
+        )
+        self.draft_tokens[:n].copy_(ids)
+
+    def capture(self) -> None:
+        if self.graphs is None:
+            return
+        from vllm.platforms import current_platform
+
+        pool = current_platform.get_global_graph_pool()
+        self.features.zero_()
+        self.anchors.zero_()
+        logger.info("DLite: capturing %d draft CUDA graphs", len(self.graphs.sizes))
+        for n in sorted(self.graphs.sizes, reverse=True):  # largest first: pool reuse
+            self._draft_static(n)  # warm-up (allocator, lazy init)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._draft_static(n)
+            self.graphs.draft_graphs[n] = graph
+        torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ drafting
+    def gather_inputs(
+        self,
+        input_batch,
+        aux_hidden_states: list[torch.Tensor],
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(features [B, L, H], anchors [B] int64, req_state_idx [B] int64)``."""
+        n = input_batch.num_reqs
+        cfg = self.dlite_config
+        if not aux_hidden_states or len(aux_hidden_states) != cfg.num_feature_layers:
+            raise RuntimeError(
+                f"DLite needs {cfg.num_feature_layers} aux hidden states (layers "
+                f"{cfg.target_layer_ids}), got {0 if not aux_hidden_states else len(aux_hidden_states)}"
+            )
+        qsl = input_batch.query_start_loc[1 : n + 1].long()
+        rows = qsl - 1 - num_rejected[:n].long()
+        features = torch.stack([h[rows] for h in aux_hidden_states], dim=1)
+        idx = input_batch.idx_mapping[:n].long()
+        prefill = next_prefill_tokens[0] if next_prefill_tokens.dim() == 2 else next_prefill_tokens
+        anchors = torch.where(num_sampled[:n] > 0, last_sampled[idx], prefill[idx]).long()
+        return features, anchors, idx
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: Optional[list[torch.Tensor]],
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        dp_sync_state=None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs=None,
+        is_profile: bool = False,
+        num_speculative_tokens: Optional[int] = None,
+    ) -> torch.Tensor:
+        n = input_batch.num_reqs
+        if n == 0:
+            return self.draft_tokens[:0]
+        features, anchors, idx = self.gather_inputs(
+            input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
+            next_prefill_tokens,
+        )
+        K = self.num_speculative_steps
+        if self.draft_logits is not None and not dummy_run:
+            # probabilistic drafting (eager): sampled rows draw from softmax(logits / T)
+            temps = temperature[idx].float()
+            ids, logits = self.model.propose_drafts(
+                features, anchors, temperatures=temps, num_tokens=K, return_logits=True
+            )
+            self.draft_logits[idx, :K] = logits.to(self.draft_logits.dtype)
+            self.draft_tokens[:n].copy_(ids)
+            return self.draft_tokens[:n]
+
+        padded = None
+        if self.graphs is not None and not is_profile and not dummy_run:
+            padded = self.graphs.padded_size(n)
+        if padded is not None:
+            self.features[:n].copy_(features)
+            self.anchors[:n].copy_(anchors)
+            self.graphs.draft_graphs[padded].replay()
+        else:
+            ids, _ = self.model.propose_drafts(features, anchors, num_tokens=K)
+            self.draft_tokens[:n].copy_(ids)
+        return self.draft_tokens[:n]
+
+
+__all__ = ["DLiteSpeculator"]
