@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -86,12 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--sessions", type=int, nargs=3, default=[200, 2000, 2000],
                     metavar=("AGENTIC", "CODE", "CHAT"), help="training sessions per kind")
-    ap.add_argument("--steps", type=int, default=260, help="steps of phase 1 (seq-len tokens x batch)")
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=320, help="steps of phase 1 (seq-len tokens x batch)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--long-steps", type=int, default=20, help="phase 2 steps on whole long sessions")
     ap.add_argument("--long-seq-len", type=int, default=8192)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=8e-4)
+    ap.add_argument("--init-from", help="continue from this target directory's weights (same tokenizer)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     args = ap.parse_args(argv)
 
@@ -105,27 +107,37 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
 
     n_agentic, n_code, n_chat = args.sessions
-    sessions = (generate("agentic", "train", n_agentic, args.seed) + generate("code", "train", n_code, args.seed)
-                + generate("chat", "train", n_chat, args.seed))
-    heldout_sessions = (generate("agentic", "heldout", 12, args.seed + 1) + generate("code", "heldout", 64, args.seed + 1)
-                        + generate("chat", "heldout", 64, args.seed + 1))
-    train_files, heldout_files = files_of_split("train"), files_of_split("heldout")
-    print(f"[data] {len(sessions)} train sessions, {len(train_files)} train files ({time.time() - t0:.0f}s)", flush=True)
+    cache = Path("data") / f"target-corpus-{args.seed}-{n_agentic}-{n_code}-{n_chat}-{args.vocab_size}.pt"
+    if cache.exists():  # generation + tokenizer are deterministic; reuse them on a rerun
+        from transformers import AutoTokenizer
 
-    def tokenizer_texts():
-        for p in train_files:
-            yield read_text(p)
-        for s in sessions:
-            yield json.dumps(s["messages"], ensure_ascii=False)
-    tokenizer = train_tokenizer(tokenizer_texts(), args.vocab_size)
-    tokenizer.save_pretrained(out)
-    print(f"[tokenizer] vocab {len(tokenizer)} ({time.time() - t0:.0f}s)", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        code_docs, session_docs, long_docs, heldout_docs, heldout_code = torch.load(cache)
+        print(f"[data] tokenized corpus from {cache}", flush=True)
+    else:
+        sessions = (generate("agentic", "train", n_agentic, args.seed) + generate("code", "train", n_code, args.seed)
+                    + generate("chat", "train", n_chat, args.seed))
+        heldout_sessions = (generate("agentic", "heldout", 12, args.seed + 1)
+                            + generate("code", "heldout", 64, args.seed + 1) + generate("chat", "heldout", 64, args.seed + 1))
+        train_files, heldout_files = files_of_split("train"), files_of_split("heldout")
+        print(f"[data] {len(sessions)} train sessions, {len(train_files)} train files ({time.time() - t0:.0f}s)", flush=True)
 
-    code_docs = encode_files(tokenizer, train_files)
-    session_docs = render_sessions(tokenizer, sessions)
-    long_docs = [d for d, s in zip(session_docs, sessions) if s["kind"] == "agentic" and len(d) >= 8192]
-    heldout_docs = render_sessions(tokenizer, heldout_sessions)
-    heldout_code = encode_files(tokenizer, heldout_files)
+        def tokenizer_texts():
+            for p in train_files:
+                yield read_text(p)
+            for s in sessions:
+                yield json.dumps(s["messages"], ensure_ascii=False)
+        tokenizer = train_tokenizer(tokenizer_texts(), args.vocab_size)
+        tokenizer.save_pretrained(out)
+        print(f"[tokenizer] vocab {len(tokenizer)} ({time.time() - t0:.0f}s)", flush=True)
+
+        code_docs = encode_files(tokenizer, train_files)
+        session_docs = render_sessions(tokenizer, sessions)
+        long_docs = [d for d, s in zip(session_docs, sessions) if s["kind"] == "agentic" and len(d) >= 8192]
+        heldout_docs = render_sessions(tokenizer, heldout_sessions)
+        heldout_code = encode_files(tokenizer, heldout_files)
+        cache.parent.mkdir(exist_ok=True)
+        torch.save((code_docs, session_docs, long_docs, heldout_docs, heldout_code), cache)
     n_code_tok, n_sess_tok = sum(map(len, code_docs)), sum(map(len, session_docs))
     print(f"[corpus] stdlib {n_code_tok:,} tokens, sessions {n_sess_tok:,} tokens, "
           f"{len(long_docs)} agentic sessions >= 8192 tokens ({time.time() - t0:.0f}s)", flush=True)
@@ -137,12 +149,19 @@ def main(argv: list[str] | None = None) -> None:
                          **TARGET_SHAPE)
     config._attn_implementation = "sdpa"
     model = Qwen3ForCausalLM(config)
+    previous = None
+    if args.init_from:  # a second stage: same architecture and tokenizer, new optimizer and schedule
+        init = Qwen3ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        model.load_state_dict(init.state_dict())
+        report_path = Path(args.init_from) / "training_report.json"
+        previous = json.loads(report_path.read_text()) if report_path.exists() else None
+        del init
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[model] {n_params / 1e6:.2f}M parameters", flush=True)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     total = args.steps + args.long_steps
-    warmup = max(1, total // 30)
+    warmup = max(1, total // 15)
 
     def lr_at(step: int) -> float:
         if step < warmup:
@@ -153,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     long_stream = PackedStream([(long_docs or session_docs, 1.0)], args.long_seq_len, seed=args.seed + 7)
     log = open(out / "train_log.jsonl", "w")
     tokens = 0
+    interval_losses: list[float] = []
     t_train = time.time()
     model.train()
     for step in range(total):
@@ -160,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         loss = lm_loss(model, batch)
+        interval_losses.append(loss.item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -168,14 +189,17 @@ def main(argv: list[str] | None = None) -> None:
         if step % 20 == 0 or step == total - 1:
             el = time.time() - t_train
             eta = el / (step + 1) * (total - step - 1)
-            rec = dict(step=step, loss=round(loss.item(), 4), lr=lr_at(step), tokens=tokens,
+            mean = sum(interval_losses) / len(interval_losses)
+            interval_losses.clear()
+            rec = dict(step=step, loss=round(mean, 4), lr=lr_at(step), tokens=tokens,
                        seq_len=batch.shape[1] - 1, elapsed_s=round(el), eta_s=round(eta))
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            print(f"[train] step {step}/{total} loss {loss.item():.3f} tok {tokens:,} "
+            print(f"[train] step {step}/{total} loss {mean:.3f} tok {tokens:,} "
                   f"{tokens / el:.0f} tok/s eta {eta / 60:.1f} min", flush=True)
     train_s = time.time() - t_train
 
+    stages = (previous or {}).get("stages", [previous] if previous else [])
     report = dict(
         name=out.name, parameters=n_params, shape=TARGET_SHAPE, vocab_size=len(tokenizer),
         training_tokens=tokens, train_wall_s=round(train_s), recipe_wall_s=round(time.time() - t0),
@@ -184,8 +208,11 @@ def main(argv: list[str] | None = None) -> None:
         heldout_loss_sessions=round(mean_loss(model, heldout_docs, 1024, 24), 4),
         heldout_loss_stdlib=round(mean_loss(model, heldout_code, 1024, 24), 4),
         train_loss_last=round(loss.item(), 4), torch_threads=torch.get_num_threads(), seed=args.seed,
-        command="python -m vllm_dlite.target.train " + " ".join(argv or []),
+        command="python -m vllm_dlite.target.train " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
+    report["stages"] = stages + [{k: v for k, v in report.items() if k != "stages"}]
+    report["training_tokens_all_stages"] = sum(st["training_tokens"] for st in report["stages"])
+    report["train_wall_s_all_stages"] = sum(st["train_wall_s"] for st in report["stages"])
     model.generation_config.eos_token_id = eos_ids
     model.generation_config.pad_token_id = eos_ids[1]
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)

@@ -1,0 +1,112 @@
+"""Workload generator: determinism, schema, split by source file, agentic shape, real tool results."""
+
+import copy
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from paths import TARGET_DIR, WORKLOADS
+from vllm_dlite.workloads import generator
+from vllm_dlite.workloads.replay import load_replay, render_prompt
+from vllm_dlite.workloads.schema import WorkloadError, read_sessions, validate_session
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TARGET_DIR)
+
+
+@pytest.fixture(scope="module")
+def heldout_agentic():
+    return list(read_sessions(str(WORKLOADS / "heldout_agentic.jsonl")))
+
+
+@pytest.mark.parametrize("kind", ["agentic", "code", "chat"])
+def test_generator_is_deterministic(kind):
+    a = generator.generate(kind, "heldout", 3, seed=5)
+    b = generator.generate(kind, "heldout", 3, seed=5)
+    assert json.dumps(a) == json.dumps(b)
+    assert json.dumps(a) != json.dumps(generator.generate(kind, "heldout", 3, seed=6))
+
+
+@pytest.mark.parametrize("kind", ["agentic", "code", "chat"])
+def test_shipped_heldout_files_are_reproducible(kind):
+    shipped = list(read_sessions(str(WORKLOADS / f"heldout_{kind}.jsonl")))
+    fresh = generator.generate(kind, "heldout", min(3, len(shipped)), seed=1)
+    assert json.dumps(shipped[: len(fresh)]) == json.dumps(fresh), "run `make workloads`"
+
+
+def test_split_is_by_source_file():
+    train, held = set(generator.files_of_split("train")), set(generator.files_of_split("heldout"))
+    assert train and held and not train & held
+    assert train | held == set(generator.stdlib_files())
+    for s in generator.generate("code", "heldout", 5, seed=2):
+        path = s["messages"][0]["content"].split("`")[3]
+        assert path in held
+
+
+def test_schema_rejects_bad_sessions():
+    good = generator.generate("agentic", "heldout", 1, seed=3)[0]
+    validate_session(good)
+    cases = {
+        "kind": lambda s: s.update(kind="essay"),
+        "answers no earlier": lambda s: s["messages"][3].update(tool_call_id="nope"),
+        "not valid JSON": lambda s: s["messages"][2]["tool_calls"][0]["function"].update(arguments="{bad"),
+        "unknown tool": lambda s: s["messages"][2]["tool_calls"][0]["function"].update(name="rm_rf"),
+        "only come first": lambda s: s["messages"].insert(2, {"role": "system", "content": "x"}),
+        "never answered": lambda s: s["messages"].pop(3) and s["messages"].__setitem__(
+            slice(3, None), []),
+    }
+    for needle, mutate in cases.items():
+        bad = copy.deepcopy(good)
+        mutate(bad)
+        with pytest.raises(WorkloadError, match=needle):
+            validate_session(bad)
+
+
+def test_agentic_tool_results_are_real():
+    ws = generator.Workspace()
+    s = generator.generate("agentic", "heldout", 1, seed=4)[0]
+    calls = {}
+    for m in s["messages"]:
+        for c in m.get("tool_calls") or []:
+            calls[c["id"]] = (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        if m["role"] == "tool":
+            name, args = calls[m["tool_call_id"]]
+            if name == "read_file" and "Edited" not in json.dumps(s["messages"][: s["messages"].index(m)]):
+                lines = generator.read_text(args["path"]).splitlines()
+                first = m["content"].splitlines()[0]
+                assert first.endswith(lines[args["start"] - 1]) or not lines[args["start"] - 1]
+            if name == "list_dir":
+                assert m["content"] == ws.list_dir(args["path"])
+            if name == "run" and args["cmd"].startswith("wc -l"):
+                path = args["cmd"].split()[-1]
+                assert m["content"] == f"{len(generator.read_text(path).splitlines())} {path}"
+
+
+def test_agentic_sessions_shape(tok, heldout_agentic):
+    """>= 10 turns, short assistant turns, contexts from ~1k to >= 8k tokens (some >= 16k)."""
+    longest = []
+    for s in heldout_agentic:
+        turns = [i for i, m in enumerate(s["messages"]) if m["role"] == "assistant"]
+        assert len(turns) >= 10, s["id"]
+        first = len(render_prompt(tok, s["messages"][: turns[0]], s["tools"]))
+        last = len(render_prompt(tok, s["messages"][: turns[-1]], s["tools"]))
+        assert 400 <= first <= 1500, (s["id"], first)
+        assert last >= 8000, (s["id"], last)
+        longest.append(last)
+        for i in turns:
+            full = render_prompt(tok, s["messages"][: i + 1], s["tools"])
+            assert len(full) - len(render_prompt(tok, s["messages"][:i], s["tools"])) <= 128 + 4
+    assert max(longest) >= 16000
+
+
+def test_replay_one_request_per_assistant_turn(tok, heldout_agentic):
+    s = heldout_agentic[0]
+    reqs = load_replay(str(WORKLOADS / "heldout_agentic.jsonl"), tok, max_turns_per_session=100)
+    mine = [r for r in reqs if r.session_id == s["id"]]
+    assert [r.turn for r in mine] == [i for i, m in enumerate(s["messages"]) if m["role"] == "assistant"]
+    assert all(len(a.prompt_token_ids) < len(b.prompt_token_ids) for a, b in zip(mine, mine[1:]))
+    text = tok.decode(mine[1].prompt_token_ids)
+    assert text.endswith("<|im_start|>assistant\n") and "<tool_response>" in text

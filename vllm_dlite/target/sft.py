@@ -1,0 +1,132 @@
+"""Second stage of the tiny target recipe: supervised fine-tuning on assistant turns.
+
+    .venv/bin/python -m vllm_dlite.target.sft --target models/qwen3-tiny-stdlib
+
+Pre-training (``train.py``) on ~1.5M tokens leaves the model near the unigram plateau on file
+contents; the agent's own turns (short replies and tool calls whose arguments are copied from the
+context) are a tiny share of those tokens. This stage trains on windows of the training-split
+sessions that end at an assistant turn, with the loss on assistant tokens
+(``CE_assistant + 0.1 * CE_all``), as chat models are tuned. It reuses the tokenized corpus cached
+by ``train.py`` and appends itself to ``training_report.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def assistant_spans(ids: list[int], header: list[int], end_id: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` index ranges of assistant replies (their ``<|im_end|>`` included)."""
+    spans, n, i = [], len(header), 0
+    while i < len(ids) - n:
+        if ids[i: i + n] == header:
+            start = i + n
+            stop = start
+            while stop < len(ids) and ids[stop] != end_id:
+                stop += 1
+            spans.append((start, min(stop + 1, len(ids))))
+            i = stop
+        i += 1
+    return spans
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="models/qwen3-tiny-stdlib")
+    ap.add_argument("--corpus", default="data/target-corpus-0-200-2000-2000-8192.pt",
+                    help="tokenized corpus cached by vllm_dlite.target.train")
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--window", type=int, default=768)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--all-token-weight", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    out = Path(args.target)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model.train()
+    _, session_docs, _, heldout_docs, _ = torch.load(args.corpus)
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    items = [(d, s) for d in session_docs for s in assistant_spans(d, header, end_id)]
+    held = [(d, s) for d in heldout_docs for s in assistant_spans(d, header, end_id)]
+    print(f"[sft] {len(items)} assistant turns in {len(session_docs)} sessions", flush=True)
+
+    def make_batch(pool, n, r):
+        rows, masks = [], []
+        for doc, (start, stop) in r.sample(pool, n):
+            lo = max(0, stop - args.window - 1)
+            rows.append(doc[lo:stop])
+            masks.append([0] * (max(start, lo) - lo) + [1] * (stop - max(start, lo)))
+        width = max(map(len, rows))
+        pad = tok.pad_token_id
+        ids = torch.tensor([r_ + [pad] * (width - len(r_)) for r_ in rows])
+        mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.bool)
+        valid = torch.tensor([[1] * len(r_) + [0] * (width - len(r_)) for r_ in rows], dtype=torch.bool)
+        return ids, mask, valid
+
+    def losses(ids, mask, valid):
+        logits = model(input_ids=ids[:, :-1], attention_mask=valid[:, :-1].long()).logits.float()
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        m, v = mask[:, 1:], valid[:, 1:]
+        return (ce * m).sum() / m.sum(), (ce * v).sum() / v.sum()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 20)
+    t0, tokens, hist = time.time(), 0, []
+    for step in range(args.steps):
+        lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids, mask, valid = make_batch(items, args.batch_size, rng)
+        ce_asst, ce_all = losses(ids, mask, valid)
+        loss = ce_asst + args.all_token_weight * ce_all
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens += int(valid.sum())
+        hist.append(ce_asst.item())
+        if step % 20 == 0 or step == args.steps - 1:
+            el = time.time() - t0
+            print(f"[sft] step {step}/{args.steps} assistant CE {sum(hist) / len(hist):.3f} all CE {ce_all.item():.3f} "
+                  f"tok {tokens:,} eta {el / (step + 1) * (args.steps - step - 1) / 60:.1f} min", flush=True)
+            hist.clear()
+    wall = time.time() - t0
+
+    model.eval()
+    with torch.no_grad():
+        r = random.Random(1234)
+        evals = [losses(*make_batch(held, 4, r)) for _ in range(8)]
+    report_path = out / "training_report.json"
+    report = json.loads(report_path.read_text())
+    report.setdefault("stages", [{k: v for k, v in report.items() if k != "stages"}])
+    report["stages"].append(dict(
+        stage="sft", steps=args.steps, window=args.window, batch_size=args.batch_size, lr=args.lr,
+        training_tokens=tokens, train_wall_s=round(wall),
+        heldout_assistant_ce=round(sum(e[0].item() for e in evals) / len(evals), 4),
+        heldout_all_ce=round(sum(e[1].item() for e in evals) / len(evals), 4),
+        command="python -m vllm_dlite.target.sft " + " ".join(argv if argv is not None else sys.argv[1:])))
+    report["training_tokens_all_stages"] = sum(s["training_tokens"] for s in report["stages"])
+    report["train_wall_s_all_stages"] = sum(s["train_wall_s"] for s in report["stages"])
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["stages"][-1], indent=2))
+
+
+if __name__ == "__main__":
+    main()
