@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import sys
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         "mean_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs) / len(outs),
         "samples": [{"prompt_tail": tok.decode(r.prompt_token_ids[-60:]), "reply": t}
                     for r, t in list(zip(reqs, texts))[: args.samples]],
-        "command": "python -m vllm_dlite.target.evaluate " + " ".join(argv or []),
+        "command": "python -m vllm_dlite.target.evaluate " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     print(json.dumps(report, indent=2))
     if args.out:
