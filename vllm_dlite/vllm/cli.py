@@ -7,6 +7,7 @@ own CLI unchanged. ``scripts/setup_env.sh`` installs it as ``.venv/bin/vllm`` on
 """
 
 import importlib.metadata
+import os
 import sys
 
 
@@ -24,6 +25,12 @@ def main() -> None:
         return real_version(name)
 
     importlib.metadata.version = version
+    try:
+        real_version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        # vLLM detects its CPU build from the "vllm" version string; with that metadata missing
+        # it would load the generic (AVX-512) kernel library and die with SIGILL on AVX2 CPUs.
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.exit(vllm_main())

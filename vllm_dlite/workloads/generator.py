@@ -235,6 +235,13 @@ TASKS = [
 ]
 
 
+MIN_AGENTIC_CHARS = 36_000  # ~9k tokens of this tokenizer on stdlib code
+
+
+def _context_chars(messages: list[dict]) -> int:
+    return sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
+
+
 def _chunks(start: int, end: int, size: int):
     for s in range(start, end + 1, size):
         yield s, min(end, s + size - 1)
@@ -280,6 +287,21 @@ def agentic_session(rng: random.Random, sid: str, path: str, long: bool) -> dict
         for a, b in list(_chunks(1, n_other, window))[:reads]:
             sb.call(f"Checking `{other}` for context.", "read_file",
                     {"path": other, "start": a, "end": b}, ws.read_file(other, a, b))
+    # Keep reading until the context is long (>= ~8k tokens, long sessions >= ~16k): agent contexts grow with every tool
+    # result. Deterministic and rng-free, so the sessions' random choices are unchanged.
+    extra = [(path, a, b) for a, b in list(_chunks(1, len(lines), window))[n_reads:]]
+    if others:
+        extra += [(other, a, b) for a, b in list(_chunks(1, n_other, window))[reads:]]
+    # Then the module's neighbours in its directory, in name order.
+    siblings = [p for p in stdlib_files() if str(Path(p).parent) == str(Path(path).parent) and p != path]
+    start_at = sum(p < path for p in siblings)
+    for p in siblings[start_at:] + siblings[:start_at]:
+        extra += [(p, a, b) for a, b in list(_chunks(1, len(read_text(p).splitlines()), window))[:2]]
+    min_chars = 2 * MIN_AGENTIC_CHARS if long else MIN_AGENTIC_CHARS  # long sessions: >= ~16k tokens
+    while extra and _context_chars(sb.messages) < min_chars:
+        p, a, b = extra.pop(0)
+        sb.call(f"Reading `{p}` lines {a}-{b}.", "read_file", {"path": p, "start": a, "end": b},
+                ws.read_file(p, a, b))
     count_cmd = _python_cmd(f"import ast; t = ast.parse(open({path!r}).read()); "
                             "print(sum(isinstance(n, ast.FunctionDef) for n in ast.walk(t)), 'functions')")
     sb.call("Counting the functions in the module.", "run", {"cmd": count_cmd}, ws.run(count_cmd, [path]))
@@ -351,7 +373,7 @@ def generate(kind: str, split: str, n: int, seed: int = 0) -> list[dict]:
         path = rng.choice(files)
         sid = f"{kind}-{split}-{seed}-{len(sessions):05d}"
         if kind == "agentic":
-            long = rng.random() < 0.4 and len(read_text(path).splitlines()) >= 900
+            long = rng.random() < 0.4  # long sessions reach >= ~16k tokens of context
             s = agentic_session(rng, sid, path, long=long)
         else:
             s = BUILDERS[kind](rng, sid, path)
