@@ -36,7 +36,8 @@ if [ "$device" = cpu ]; then
 #!$(pwd)/$VENV/bin/python
 import sys
 from vllm_dlite.vllm.cli import main
-sys.exit(main())
+if __name__ == "__main__":  # vLLM spawns workers that re-import this script
+    sys.exit(main())
 SHIM
   chmod +x "$VENV/bin/vllm"
 fi
