@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Baseline drafters for the A/B benchmark, trained with speculators==0.9.0 on the SAME on-policy
+# data as DLite (K = 7, sized by DESIGN.md section 1):
+#   models/qwen3-tiny-stdlib -> models/eagle3-qwen3-tiny-stdlib   (1 layer, target ids 2 6 11)
+#                            -> models/dflash-qwen3-tiny-stdlib   (2 layers, ids 1 3 5 8 10 12, block 8)
+#                            -> models/dspark-qwen3-tiny-stdlib   (2 layers, same ids, block 7, Markov rank 64;
+#                                                                  vLLM 0.32 serves DSpark on GPU / Model Runner V2 only)
+# Layer ids are vLLM aux ids (residual stream after i decoder layers, pre-norm).
+# Data: the regenerated sequences of scripts/train_drafter_tiny.sh (regenerated here with the same
+# settings when missing). Target features are written ONCE (bf16, layers 1..12, ~6 KB/token) to
+# runs/baselines/features-qwen3-tiny-stdlib and shared by the three methods; speculators
+# checkpoints go to runs/baselines/<model name>/checkpoints, and re-running resumes them.
+# Overrides: EPOCHS=... METHODS="eagle3 dflash" DATA=... EAGLE3_ARGS="--ttt-steps 3" \
+#   REUSE=runs/dlite-qwen3-tiny-stdlib/data/features/hidden_states (DLite's feature files, same data)
+#   bash scripts/train_baselines_tiny.sh [extra flags for every method]
+# CPU cost (2 cores, 4096-token batches): ~10-15 s/step for DFlash, DSpark and EAGLE-3 with
+# --ttt-steps 3, ~3x that for EAGLE-3 with the default 7 TTT steps (= K).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+TARGET=${TARGET:-models/qwen3-tiny-stdlib}
+DATA=${DATA:-runs/dlite-qwen3-tiny-stdlib/data/sequences.jsonl}
+WORK=${WORK:-runs/baselines}
+EPOCHS=${EPOCHS:-10}
+METHODS=${METHODS:-eagle3 dflash dspark}
+EAGLE3_ARGS=${EAGLE3_ARGS:-}
+REUSE=${REUSE:-}
+NAME=$(basename "$TARGET")
+FEATURES=$WORK/features-$NAME
+export TOKENIZERS_PARALLELISM=false
+
+if [ ! -f "$TARGET/model.safetensors" ]; then
+  echo "error: $TARGET/model.safetensors is missing; train the target first (make target)" >&2
+  exit 1
+fi
+
+# 1. on-policy data (identical settings to configs/dlite-tiny.yaml, so DLite reuses the file)
+if [ ! -f "$DATA.meta.json" ]; then
+  "$PY" -m vllm_dlite.train.data --target "$TARGET" --out "$DATA" \
+    --kinds agentic=32 code=400 chat=400 --split train --seed 1 \
+    --max-len 4096 --max-new-tokens 512 --max-turns-per-session 8
+fi
+
+# 2. target features once (resumable), 3. train + export each baseline
+STORE=(--target "$TARGET" --data "$DATA" --work-dir "$WORK" --features "$FEATURES" --max-len 4096)
+if [ -n "$REUSE" ]; then STORE+=(--reuse-features "$REUSE"); fi
+"$PY" -m vllm_dlite.train.baselines --method dflash --out "models/dflash-$NAME" "${STORE[@]}" \
+  --features-only
+for METHOD in $METHODS; do
+  EXTRA=()
+  if [ "$METHOD" = eagle3 ] && [ -n "$EAGLE3_ARGS" ]; then read -r -a EXTRA <<< "$EAGLE3_ARGS"; fi
+  "$PY" -m vllm_dlite.train.baselines --method "$METHOD" --out "models/$METHOD-$NAME" \
+    "${STORE[@]}" --epochs "$EPOCHS" "${EXTRA[@]}" "$@"
+done
