@@ -321,6 +321,16 @@ class SequenceStore:
         lo = max(self.response_start(i), 1)
         return max(0, self.length(i) - 1 - lo)
 
+    def fingerprint(self) -> str:
+        """Content fingerprint (index + token count + first/last MiB of tokens): identifies the
+        sequences that derived files (e.g. feature files keyed by sequence index) were built on."""
+        h = hashlib.sha256(np.ascontiguousarray(self.index).tobytes())
+        tokens = self.tokens
+        h.update(str(tokens.shape[0]).encode())
+        h.update(np.ascontiguousarray(tokens[: 1 << 18]).tobytes())
+        h.update(np.ascontiguousarray(tokens[-(1 << 18):]).tobytes())
+        return h.hexdigest()[:16]
+
     @staticmethod
     def cache_paths(jsonl: PathLike) -> tuple[Path, Path, Path]:
         p = str(jsonl)

@@ -602,6 +602,22 @@ class Trainer:
             return
         cfg, info = self.cfg, self.info
         hs_dir = self._features_dir() / HS_DIRNAME
+        source = dict(sequences=self.store.fingerprint(), layer_ids=self._file_layer_ids(),
+                      dtype=cfg.data.features_dtype, target=str(Path(cfg.target.path).resolve()),
+                      target_dtype=cfg.target.dtype)
+        source_file = self._features_dir() / "source.json"
+        if info.is_main:
+            known = json.loads(source_file.read_text()) if source_file.is_file() else None
+            if known != source:  # other sequences, layers or target: files are keyed by index
+                stale = list(hs_dir.glob("hs_*.safetensors")) if hs_dir.is_dir() else []
+                if stale:
+                    self._log_console(f"removing {len(stale)} feature files built for other "
+                                      f"data/target ({source_file})")
+                for path in stale:
+                    path.unlink()
+                hs_dir.mkdir(parents=True, exist_ok=True)
+                source_file.write_text(json.dumps(source, indent=2) + "\n")
+        barrier(info)
         todo = [int(i) for i in self.train_indices[info.rank :: info.world_size]
                 if not hs_file_path(hs_dir, int(i)).exists()]
         if todo:
@@ -685,9 +701,7 @@ class Trainer:
         features, last_hidden, final_hidden = self._batch_features(batch)
         N, K = batch.labels.shape
         mask = batch.label_mask
-        chunk = cfg.optim.anchor_chunk_size or N
-        chunks = [torch.arange(s, min(N, s + chunk), device=mask.device)
-                  for s in range(0, N, chunk)]
+        chunks = self._anchor_chunks(N, mask.device)
         weights = losses.position_weights(K, cfg.loss.gamma, device=mask.device)
         total_tokens = mask.sum().clamp_min(1).float()
         total_anchors = (mask.sum(1) > 0).sum().clamp_min(1).float()
@@ -696,44 +710,73 @@ class Trainer:
         comps: dict[str, float] = {}
         loss_total = 0.0
         for ci, idx in enumerate(chunks):
-            m = mask[idx]
-            share_tok = m.sum().float() / total_tokens
-            share_anc = (m.sum(1) > 0).sum().float() / total_anchors
-            with self._autocast():
-                if stage == "teacher":
-                    logits = self._teacher_logits(model, features, batch, idx)
-                else:
-                    anchor_feats = features[batch.seq_index[idx], batch.anchor_pos[idx] - 1]
-                    logits = model(anchor_feats, batch.anchor_ids[idx], batch.labels[idx])
-            if stage == "teacher":
-                ce = losses.ce_loss(logits, batch.labels[idx], m)
-                parts = {"ce": (ce, share_tok, 1.0)}
-            elif stage == "warmup":
-                with torch.no_grad(), self._autocast():
-                    t_logits = self._teacher_logits(self.teacher, features, batch, idx)
-                kl = losses.forward_kl(t_logits, logits, weights, m)
-                parts = {"kl": (kl, share_anc, 1.0)}
-            else:
-                p_t = self._target_probs(batch, idx, last_hidden, final_hidden)
-                ce = losses.ce_loss(logits, batch.labels[idx], m)
-                tv = losses.tv_l1(p_t, logits, weights, m)
-                parts = {
-                    "ce": (ce, share_tok, cfg.loss.stable_ce_weight),
-                    "tv": (tv, share_anc, cfg.loss.stable_tv_weight),
-                }
-            loss = sum(value * share * coef for value, share, coef in parts.values())
+            # DDP/FSDP reduce gradients once per optimizer step: only the last chunk of the last
+            # micro-batch syncs (no_sync must cover the forward too: DDP decides there)
             last = ci == len(chunks) - 1
-            ctx = contextlib.nullcontext() if (last and sync_last) else self._no_sync(model)
-            with ctx:
-                (loss * scale).backward()
+            sync = contextlib.nullcontext() if (last and sync_last) else self._no_sync(model)
+            padding = idx.numel() == 0  # this rank has fewer chunks: a zero-weight stand-in
+            if padding:
+                idx = torch.zeros(1, dtype=torch.long, device=mask.device)
+            with sync:
+                loss, parts, logits = self._chunk_loss(stage, model, batch, idx, features,
+                                                       last_hidden, final_hidden, weights,
+                                                       total_tokens, total_anchors)
+                (loss * (0.0 if padding else scale)).backward()
+            if padding:
+                continue
             loss_total += float(loss.detach())
             for name, (value, share, _) in parts.items():
                 comps[name] = comps.get(name, 0.0) + float(value.detach()) * float(share)
-            hits, counts = losses.position_accuracy(logits.detach(), batch.labels[idx], m)
+            hits, counts = losses.position_accuracy(logits.detach(), batch.labels[idx],
+                                                    mask[idx])
             metrics["hits"] += hits.cpu()
             metrics["counts"] += counts.cpu()
         metrics.update(loss=loss_total, anchors=N, tokens=batch.num_tokens, **comps)
         return metrics
+
+    def _anchor_chunks(self, num_anchors: int, device: torch.device) -> list[torch.Tensor]:
+        """Split ``0..N-1`` into chunks of <= ``optim.anchor_chunk_size``; under
+        torch.distributed every rank uses the same (max) chunk count, so the per-chunk
+        collectives (FSDP all-gathers) match; surplus chunks are empty (run as zero-weight
+        stand-ins)."""
+        size = self.cfg.optim.anchor_chunk_size or num_anchors
+        count = max(1, math.ceil(num_anchors / size))
+        if self.info.enabled:
+            t = torch.tensor([count], device=self.info.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            count = int(t.item())
+        return list(torch.tensor_split(torch.arange(num_anchors, device=device), count))
+
+    def _chunk_loss(self, stage, model, batch, idx, features, last_hidden, final_hidden,
+                    weights, total_tokens, total_anchors):
+        """Loss of anchors ``idx`` scaled by their share of the micro-batch's denominators;
+        returns ``(loss, {name: (value, share, coefficient)}, student logits)``."""
+        cfg = self.cfg
+        m = batch.label_mask[idx]
+        share_tok = m.sum().float() / total_tokens
+        share_anc = (m.sum(1) > 0).sum().float() / total_anchors
+        with self._autocast():
+            if stage == "teacher":
+                logits = self._teacher_logits(model, features, batch, idx)
+            else:
+                anchor_feats = features[batch.seq_index[idx], batch.anchor_pos[idx] - 1]
+                logits = model(anchor_feats, batch.anchor_ids[idx], batch.labels[idx])
+        if stage == "teacher":
+            parts = {"ce": (losses.ce_loss(logits, batch.labels[idx], m), share_tok, 1.0)}
+        elif stage == "warmup":
+            with torch.no_grad(), self._autocast():
+                t_logits = self._teacher_logits(self.teacher, features, batch, idx)
+            parts = {"kl": (losses.forward_kl(t_logits, logits, weights, m), share_anc, 1.0)}
+        else:
+            p_t = self._target_probs(batch, idx, last_hidden, final_hidden)
+            parts = {
+                "ce": (losses.ce_loss(logits, batch.labels[idx], m), share_tok,
+                       cfg.loss.stable_ce_weight),
+                "tv": (losses.tv_l1(p_t, logits, weights, m), share_anc,
+                       cfg.loss.stable_tv_weight),
+            }
+        loss = sum(value * share * coef for value, share, coef in parts.values())
+        return loss, parts, logits
 
     @staticmethod
     def _teacher_logits(teacher: nn.Module, features: torch.Tensor, batch: SequenceBatch,
