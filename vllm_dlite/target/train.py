@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..workloads.generator import files_of_split, generate, read_text
+from ..workloads.replay import chat_token_ids
 from .tokenizer import train_tokenizer
 
 TARGET_SHAPE = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=12,
@@ -32,14 +33,8 @@ TARGET_SHAPE = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=12
 
 
 def render_sessions(tokenizer, sessions: list[dict]) -> list[list[int]]:
-    docs = []
-    for s in sessions:
-        ids = tokenizer.apply_chat_template(s["messages"], tools=s["tools"] or None, tokenize=True,
-                                            add_generation_prompt=False)
-        if not isinstance(ids, list):  # transformers >= 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        docs.append(list(ids) + [tokenizer.pad_token_id])
-    return docs
+    return [chat_token_ids(tokenizer, s["messages"], s["tools"], add_generation_prompt=False)
+            + [tokenizer.pad_token_id] for s in sessions]
 
 
 def encode_files(tokenizer, paths: list[str]) -> list[list[int]]:

@@ -23,13 +23,19 @@ class ReplayRequest:
     reference: dict              # the session's assistant message at this turn
 
 
-def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template, ready for the next assistant turn."""
+def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None,
+                   add_generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` (and ``tools``) rendered with the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
-                                        add_generation_prompt=True)
+                                        add_generation_prompt=add_generation_prompt)
     if not isinstance(ids, list):  # transformers >= 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template, ready for the next assistant turn."""
+    return chat_token_ids(tokenizer, messages, tools, add_generation_prompt=True)
 
 
 def replay_requests(sessions: Iterable[dict], tokenizer, max_prompt_tokens: int | None = None,
