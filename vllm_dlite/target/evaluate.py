@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
     ok = [well_formed_tool_calls(t, tools[r.session_id]) for t, r in zip(texts, reqs)]
-    same_tool = [bool(TOOL_CALL_RE.search(t)) and json.loads(TOOL_CALL_RE.search(t).group(1)).get("name")
-                 == r.reference["tool_calls"][0]["function"]["name"] if k else False
+    # A well-formed reply has a parseable first call; compare its tool with the reference's.
+    same_tool = [k and json.loads(TOOL_CALL_RE.search(t).group(1))["name"]
+                 == r.reference["tool_calls"][0]["function"]["name"]
                  for t, r, k in zip(texts, reqs, ok)]
     report = {
         "target": args.target, "workload": args.workload, "turns_scored": len(reqs),
