@@ -19,5 +19,9 @@ workloads: setup               ## regenerate the shipped held-out workload files
 	  $(PY) -m vllm_dlite.workloads.generator --kind $${k%%:*} --split heldout -n $${k##*:} --seed 1 \
 	    --out benchmarks/workloads/heldout_$${k%%:*}.jsonl; done
 
-target: setup                  ## retrain the tiny target (about 45 minutes on 2 cores)
+target: setup                  ## retrain the tiny target on this machine (~50 min on 2 cores; the shipped one: scripts/gpu_session.sh)
 	$(PY) -m vllm_dlite.target.train --out models/qwen3-tiny-stdlib
+	$(PY) -m vllm_dlite.target.sft --target models/qwen3-tiny-stdlib
+
+drafter: setup                 ## retrain the shipped DLite drafter (configs/dlite-tiny.yaml)
+	bash scripts/train_drafter_tiny.sh

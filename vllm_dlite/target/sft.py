@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--all-token-weight", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: cuda when available (bf16 autocast), else cpu (fp32)")
+    ap.add_argument("--time-budget-s", type=float, default=0.0,
+                    help="train for this many seconds; the schedule follows the elapsed fraction")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer, Qwen3ForCausalLM
@@ -57,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     out = Path(args.target)
     tok = AutoTokenizer.from_pretrained(out)
-    model = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32)
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    model = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32).to(device)
     model.train()
     _, session_docs, _, heldout_docs, _ = torch.load(args.corpus)
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
@@ -80,16 +86,22 @@ def main(argv: list[str] | None = None) -> None:
         return ids, mask, valid
 
     def losses(ids, mask, valid):
-        logits = model(input_ids=ids[:, :-1], attention_mask=valid[:, :-1].long()).logits.float()
+        ids, mask, valid = ids.to(device), mask.to(device), valid.to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=ids[:, :-1], attention_mask=valid[:, :-1].long()).logits.float()
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         m, v = mask[:, 1:], valid[:, 1:]
         return (ce * m).sum() / m.sum(), (ce * v).sum() / v.sum()
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, args.steps // 20)
     t0, tokens, hist = time.time(), 0, []
-    for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+
+    def progress_at(step: int) -> float:  # fraction of the run done: by steps, or by wall clock
+        return (time.time() - t0) / args.time_budget_s if args.time_budget_s else step / args.steps
+
+    step = 0
+    while (progress := progress_at(step)) < 1.0:
+        lr = args.lr * min(1.0, max(progress, 1 / args.steps) * 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
         ids, mask, valid = make_batch(items, args.batch_size, rng)
@@ -101,10 +113,12 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         tokens += int(valid.sum())
         hist.append(ce_asst.item())
-        if step % 20 == 0 or step == args.steps - 1:
+        step += 1
+        if step % 20 == 1 or progress_at(step) >= 1.0:
             el = time.time() - t0
-            print(f"[sft] step {step}/{args.steps} assistant CE {sum(hist) / len(hist):.3f} all CE {ce_all.item():.3f} "
-                  f"tok {tokens:,} eta {el / (step + 1) * (args.steps - step - 1) / 60:.1f} min", flush=True)
+            done = max(progress_at(step), 1e-9)
+            print(f"[sft] step {step - 1} assistant CE {sum(hist) / len(hist):.3f} all CE {ce_all.item():.3f} "
+                  f"tok {tokens:,} eta {el / done * (1 - done) / 60:.1f} min", flush=True)
             hist.clear()
     wall = time.time() - t0
 
@@ -116,14 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     report = json.loads(report_path.read_text())
     report.setdefault("stages", [{k: v for k, v in report.items() if k != "stages"}])
     report["stages"].append(dict(
-        stage="sft", steps=args.steps, window=args.window, batch_size=args.batch_size, lr=args.lr,
+        stage="sft", steps=step, time_budget_s=args.time_budget_s or None, device=str(device), window=args.window, batch_size=args.batch_size, lr=args.lr,
         training_tokens=tokens, train_wall_s=round(wall),
         heldout_assistant_ce=round(sum(e[0].item() for e in evals) / len(evals), 4),
         heldout_all_ce=round(sum(e[1].item() for e in evals) / len(evals), 4),
         command="python -m vllm_dlite.target.sft " + " ".join(argv if argv is not None else sys.argv[1:])))
     report["training_tokens_all_stages"] = sum(s["training_tokens"] for s in report["stages"])
     report["train_wall_s_all_stages"] = sum(s["train_wall_s"] for s in report["stages"])
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["stages"][-1], indent=2))
 

@@ -62,7 +62,9 @@ class PackedStream:
 
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=batch[:, :-1]).logits
+    batch = batch.to(model.device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+        logits = model(input_ids=batch[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
@@ -90,6 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=8e-4)
     ap.add_argument("--init-from", help="continue from this target directory's weights (same tokenizer)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: cuda when available (bf16 autocast), else cpu (fp32)")
+    ap.add_argument("--time-budget-s", type=float, default=0.0,
+                    help="train for this many seconds instead of a step count: the schedule and the "
+                         "switch to long sessions follow the elapsed fraction of the budget")
     args = ap.parse_args(argv)
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -143,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                          bos_token_id=eos_ids[1], eos_token_id=eos_ids, pad_token_id=eos_ids[1],
                          **TARGET_SHAPE)
     config._attn_implementation = "sdpa"
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
     model = Qwen3ForCausalLM(config)
     previous = None
     if args.init_from:  # a second stage: same architecture and tokenizer, new optimizer and schedule
@@ -151,17 +160,24 @@ def main(argv: list[str] | None = None) -> None:
         report_path = Path(args.init_from) / "training_report.json"
         previous = json.loads(report_path.read_text()) if report_path.exists() else None
         del init
+    model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[model] {n_params / 1e6:.2f}M parameters", flush=True)
+    print(f"[model] {n_params / 1e6:.2f}M parameters on {device}", flush=True)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     total = args.steps + args.long_steps
-    warmup = max(1, total // 15)
+    long_from = args.steps / total  # fraction of the run after which batches are whole long sessions
+    warmup = 1 / 15
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))))
+    def lr_at(progress: float) -> float:
+        if progress < warmup:
+            return args.lr * max(progress, 1 / total) / warmup
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (progress - warmup) / (1 - warmup))))
+
+    def progress_at(step: int) -> float:  # fraction of the run done: by steps, or by wall clock
+        if args.time_budget_s:
+            return (time.time() - t_train) / args.time_budget_s
+        return step / total
 
     mixed = PackedStream([(code_docs, 0.35), (session_docs, 0.65)], args.seq_len, seed=args.seed)
     long_stream = PackedStream([(long_docs or session_docs, 1.0)], args.long_seq_len, seed=args.seed + 7)
@@ -170,10 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     interval_losses: list[float] = []
     t_train = time.time()
     model.train()
-    for step in range(total):
-        batch = mixed.batch(args.batch_size) if step < args.steps else long_stream.batch(1)
+    step = 0
+    while (progress := progress_at(step)) < 1.0:
+        batch = mixed.batch(args.batch_size) if progress < long_from else long_stream.batch(1)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr_at(progress)
         loss = lm_loss(model, batch)
         interval_losses.append(loss.item())
         opt.zero_grad(set_to_none=True)
@@ -181,16 +198,18 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens += batch[:, 1:].numel()
-        if step % 20 == 0 or step == total - 1:
+        step += 1
+        if step % 20 == 1 or progress_at(step) >= 1.0:
             el = time.time() - t_train
-            eta = el / (step + 1) * (total - step - 1)
+            done = max(progress_at(step), 1e-9)
+            eta = el / done * (1 - done)
             mean = sum(interval_losses) / len(interval_losses)
             interval_losses.clear()
-            rec = dict(step=step, loss=round(mean, 4), lr=lr_at(step), tokens=tokens,
+            rec = dict(step=step - 1, loss=round(mean, 4), lr=lr_at(progress), tokens=tokens,
                        seq_len=batch.shape[1] - 1, elapsed_s=round(el), eta_s=round(eta))
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            print(f"[train] step {step}/{total} loss {mean:.3f} tok {tokens:,} "
+            print(f"[train] step {step - 1} loss {mean:.3f} tok {tokens:,} "
                   f"{tokens / el:.0f} tok/s eta {eta / 60:.1f} min", flush=True)
     train_s = time.time() - t_train
 
@@ -198,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     report = dict(
         name=out.name, parameters=n_params, shape=TARGET_SHAPE, vocab_size=len(tokenizer),
         training_tokens=tokens, train_wall_s=round(train_s), recipe_wall_s=round(time.time() - t0),
-        steps=args.steps, long_steps=args.long_steps, seq_len=args.seq_len, long_seq_len=args.long_seq_len,
+        steps=step, long_steps=args.long_steps, time_budget_s=args.time_budget_s or None, device=str(device),
+        seq_len=args.seq_len, long_seq_len=args.long_seq_len,
         batch_size=args.batch_size, corpus_tokens=dict(stdlib=n_code_tok, sessions=n_sess_tok),
         heldout_loss_sessions=round(mean_loss(model, heldout_docs, 1024, 24), 4),
         heldout_loss_stdlib=round(mean_loss(model, heldout_code, 1024, 24), 4),
@@ -210,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     report["train_wall_s_all_stages"] = sum(st["train_wall_s"] for st in report["stages"])
     model.generation_config.eos_token_id = eos_ids
     model.generation_config.pad_token_id = eos_ids[1]
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
