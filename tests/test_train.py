@@ -449,3 +449,34 @@ def test_offline_estimator_lossless_and_tau_equals_brute_force(target_dir):
     drafter.bind_target(extractor.embed_weight, extractor.lm_head_weight)
     sim = SpeculativeSimulator(extractor, drafter, eos_ids={EOS})
     assert [sim.generate(p, max_new).output_ids for p in prompts] == refs
+
+
+# =========================================================================== one command, new target
+@pytest.mark.slow
+def test_one_command_trains_a_drafter_for_another_local_qwen3(tmp_path):
+    """The documented one-liner (``python -m vllm_dlite.train --target DIR --out DIR``) on a local
+    HF Qwen3 model it has never seen: regenerates on-policy data with vLLM, picks the layers,
+    trains teacher -> warm-up -> stable, exports a loadable drafter and evaluates it offline.
+    Only the sizes are shrunk (``--set``) so it runs in about two minutes on a CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import helpers_vllm as H
+
+    from vllm_dlite.model import load_drafter
+
+    target = H.make_tiny_target(tmp_path / "another-qwen3")
+    out = tmp_path / "drafter"
+    cmd = [sys.executable, "-m", "vllm_dlite.train", "--target", str(target), "--out", str(out),
+           "--work-dir", str(tmp_path / "work"),
+           "--set", "data.regenerate.kinds={agentic: 0, code: 2, chat: 3}",
+           "--set", "data.regenerate.max_new_tokens=24", "--set", "data.max_len=512",
+           "--set", "epochs={teacher: 1, warmup: 1, stable: 1}",
+           "--set", "eval.kinds={chat: 2}", "--set", "eval.max_new_tokens=8", "--set", "run.progress=false"]
+    proc = subprocess.run(cmd, env={**os.environ, **H.vllm_env()}, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    drafter = load_drafter(str(out))
+    assert drafter.config.target_layer_ids == list(range(1, H.TARGET_LAYERS + 1))
+    report = json.loads((out / "training_report.json").read_text())
+    assert list(report["stages"]) == ["teacher", "warmup", "stable"]
+    assert report["data"]["num_sequences"] > 0
+    assert report["offline_eval"]["overall"]["tau"] >= 1.0

@@ -129,6 +129,48 @@ def run_replay(llm, method: str, prompts: list[list[int]], *, max_tokens: int, t
     )
 
 
+class DraftTimer:
+    """Times every draft round inside vLLM's V1 model runner (in-process engine only:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), whatever the method.
+
+    Wraps ``GPUModelRunner.propose_draft_token_ids`` (the CPU runner inherits it); each record is
+    ``(seconds, num_requests, longest context in tokens)`` of one round. On CUDA the device is
+    synchronised around the call so the time is the draft's, not a launch's.
+    """
+
+    def __init__(self):
+        self.records: list[tuple[float, int, int]] = []
+        self._original = None
+
+    def __enter__(self) -> "DraftTimer":
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        original = self._original = GPUModelRunner.propose_draft_token_ids
+        records = self.records
+
+        def timed(runner, *args, **kwargs):
+            import torch
+
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            batch = runner.input_batch
+            n = batch.num_reqs
+            context = int(batch.num_tokens_no_spec[:n].max()) if n else 0
+            sync()
+            t0 = time.perf_counter()
+            out = original(runner, *args, **kwargs)
+            sync()
+            records.append((time.perf_counter() - t0, n, context))
+            return out
+
+        GPUModelRunner.propose_draft_token_ids = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        GPUModelRunner.propose_draft_token_ids = self._original
+
+
 def shutdown(llm) -> None:
     """Free an engine before building the next one in the same process."""
     try:

@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""A/B benchmark: speculative methods on one target, identical engine settings, replayed sessions.
+
+    .venv/bin/python benchmarks/ab.py --workload benchmarks/workloads/heldout_agentic.jsonl \\
+        --methods none,ngram,suffix,eagle3,dflash,dlite --out results/ab-agentic
+
+Contract:
+* every assistant turn of every session in ``--workload`` (any file in the DESIGN.md section 5
+  format) becomes one request, its prompt rendered with the target's chat template and tools
+  (``vllm_dlite.workloads.replay``); ``--max-requests N`` keeps N of them spread evenly over the
+  file (for slow machines; the default keeps all);
+* each method runs in a FRESH vLLM engine, in a fresh process, per concurrency level
+  (``max_num_seqs`` = 1, 4, 16 by default) with the same K, temperature, max tokens, dtype, seed
+  and max model length;
+* terms (vLLM's): ``tau`` = 1 + accepted / drafts (tokens per target verification, bonus
+  included); ``tau_per_position[i]`` = share of drafts whose position i was accepted;
+  ``output_tokens_per_s`` = generated tokens / wall time of the replay; ``mean_itl_ms`` = mean over
+  requests of (last - first token time) / (tokens - 1); ``kv_pool_tokens`` = the target's KV pool;
+* draft cost against context length: every draft round is timed inside vLLM's model runner
+  (``DraftTimer``); rounds of the concurrency-1 run are grouped by the request's context length
+  (nearest of 1k / 4k / 16k tokens on a log scale) and the median is reported;
+* at temperature 0 every method's outputs must equal ``none``'s (``identical_to_none``);
+* a method that cannot run here (no drafter checkpoint, missing package) is reported with the
+  reason in ``results.json`` and the table, never silently dropped.
+
+Writes ``OUT/results.json``, ``OUT/results.md`` and, with matplotlib, ``OUT/tau_per_position.png``,
+``OUT/tokens_per_s_vs_concurrency.png``, ``OUT/draft_ms_vs_context.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # DraftTimer needs the in-process engine
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # small CPU matmuls: spinning threads only contend
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+CONTEXT_BUCKETS = (1024, 4096, 16384)
+
+
+def default_drafter(method: str) -> Path:
+    return REPO / "models" / f"{method}-qwen3-tiny-stdlib"
+
+
+def context_bucket(tokens: int) -> int:
+    return min(CONTEXT_BUCKETS, key=lambda b: abs(math.log(max(tokens, 1) / b)))
+
+
+def replay_once(target: str, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
+    """One fresh engine, one replay; runs in its own process (see :func:`run_method`)."""
+    from vllm_dlite.vllm.plugin import register
+    from vllm_dlite.vllm.replay_engine import DraftTimer, build_llm, run_replay, shutdown
+
+    register()
+    llm = build_llm(target, spec, dtype=opts["dtype"], max_model_len=opts["max_model_len"],
+                    seed=opts["seed"], max_num_seqs=opts["concurrency"])
+    run_replay(llm, "warm-up", prompts[:1], max_tokens=4, temperature=opts["temperature"])
+    with DraftTimer() as timer:
+        r = run_replay(llm, "replay", prompts, max_tokens=opts["max_tokens"],
+                       temperature=opts["temperature"], seed=opts["seed"])
+    shutdown(llm)
+    return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records)
+
+
+def run_method(args, method: str, prompts: list[list[int]], drafter: str | None) -> dict:
+    """Every concurrency level in a fresh engine in a fresh process: nothing (compiled kernels,
+    patched modules, allocator state) carries over from one method to the next."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from vllm_dlite.vllm.replay_engine import MethodUnavailable, speculative_config
+
+    try:
+        spec = speculative_config(method, args.k, drafter)
+    except MethodUnavailable as exc:
+        return {"status": "unavailable", "reason": str(exc)}
+    per_concurrency, draft_rounds = {}, []
+    for c in args.concurrency:
+        opts = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, concurrency=c,
+                    temperature=args.temperature, max_tokens=args.max_tokens)
+        try:
+            with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+                res = pool.submit(replay_once, args.target, spec, prompts, opts).result()
+        except Exception as exc:  # noqa: BLE001 - reported in the results, not swallowed
+            traceback.print_exc()
+            print(f"[{method}] failed at concurrency {c}: {exc!r}", flush=True)
+            return {"status": "failed", "reason": f"concurrency {c}: {exc!r}"}
+        per_concurrency[c] = res
+        if c == min(args.concurrency):
+            draft_rounds = [(t, ctx) for t, n, ctx in res["draft_rounds"] if n == 1] or \
+                [(t, ctx) for t, n, ctx in res["draft_rounds"]]
+        r = res["summary"]
+        print(f"[{method}] concurrency {c}: tau {r['tau'] if r['tau'] is None else round(r['tau'], 3)}, "
+              f"{r['output_tokens_per_s']:.1f} tok/s, ITL {r['mean_itl_ms']:.1f} ms, {r['wall_s']:.0f} s",
+              flush=True)
+    first = per_concurrency[min(args.concurrency)]["summary"]
+    draft_ms = {}
+    for b in CONTEXT_BUCKETS:
+        times = [t for t, ctx in draft_rounds if context_bucket(ctx) == b]
+        if times:
+            draft_ms[str(b)] = {"median_ms": 1000 * statistics.median(times), "rounds": len(times)}
+    return {
+        "status": "ok", **{k: v for k, v in first.items() if k != "method"},
+        "by_concurrency": {str(c): {k: res["summary"][k] for k in ("tau", "output_tokens_per_s", "mean_itl_ms",
+                                                                     "wall_s", "output_tokens")}
+                           for c, res in per_concurrency.items()},
+        "draft_ms_by_context": draft_ms,
+        "_outputs": {c: res["outputs"] for c, res in per_concurrency.items()},
+    }
+
+
+def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[int]) -> None:
+    lines = [f"# A/B: {Path(settings['workload']).name}", "",
+             f"target `{settings['target']}`, K={settings['k']}, temperature {settings['temperature']}, "
+             f"max {settings['max_tokens']} new tokens, dtype {settings['dtype']}, "
+             f"{settings['num_requests']} requests ({settings['prompt_tokens_min']}-"
+             f"{settings['prompt_tokens_max']} prompt tokens), device {settings['device']}.", "",
+             "| method | tau | per-position acceptance | "
+             + " | ".join(f"tok/s @{c}" for c in concurrency)
+             + " | ITL ms @1 | KV pool tokens | draft ms @1k / 4k / 16k | identical to none |",
+             "|" + " --- |" * (7 + len(concurrency))]
+    for m, r in results.items():
+        if r["status"] != "ok":
+            lines.append(f"| {m} | {r['status']}: {r['reason']} |" + " |" * (6 + len(concurrency)))
+            continue
+        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        pos = " ".join(f"{p:.2f}" for p in r["tau_per_position"]) or "-"
+        tps = " | ".join(f"{r['by_concurrency'][str(c)]['output_tokens_per_s']:.1f}" for c in concurrency)
+        dm = " / ".join(f"{r['draft_ms_by_context'][str(b)]['median_ms']:.2f}"
+                        if str(b) in r["draft_ms_by_context"] else "-" for b in CONTEXT_BUCKETS)
+        lines.append(f"| {m} | {tau} | {pos} | {tps} | {r['mean_itl_ms']:.1f} | {r['kv_pool_tokens']:,} | "
+                     f"{dm} | {r.get('identical_to_none', '-')} |")
+    lines += ["", f"Command: `{settings['command']}`", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plots(out: Path, results: dict, concurrency: list[int]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["plots skipped: matplotlib is not installed (pip install -e .[bench])"]
+    ok = {m: r for m, r in results.items() if r["status"] == "ok"}
+    made = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, r in ok.items():
+        if r["tau_per_position"]:
+            ax.plot(range(1, len(r["tau_per_position"]) + 1), r["tau_per_position"], marker="o", label=m)
+    ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance per position", ylim=(0, 1))
+    ax.legend()
+    fig.savefig(out / "tau_per_position.png", dpi=120, bbox_inches="tight")
+    made.append("tau_per_position.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, r in ok.items():
+        ax.plot(concurrency, [r["by_concurrency"][str(c)]["output_tokens_per_s"] for c in concurrency],
+                marker="o", label=m)
+    ax.set(xlabel="concurrency (max_num_seqs)", ylabel="output tokens/s", title="Throughput", xscale="log")
+    ax.legend()
+    fig.savefig(out / "tokens_per_s_vs_concurrency.png", dpi=120, bbox_inches="tight")
+    made.append("tokens_per_s_vs_concurrency.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, r in ok.items():
+        pts = [(int(b), v["median_ms"]) for b, v in r["draft_ms_by_context"].items()]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=m)
+    ax.set(xlabel="context length (tokens)", ylabel="draft round (ms, median)", xscale="log",
+           title="Draft cost against context length")
+    ax.legend()
+    fig.savefig(out / "draft_ms_vs_context.png", dpi=120, bbox_inches="tight")
+    made.append("draft_ms_vs_context.png")
+    plt.close("all")
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", required=True, help="sessions JSONL (DESIGN.md section 5)")
+    ap.add_argument("--methods", default="none,ngram,suffix,eagle3,dflash,dlite")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
+    for m in ("dlite", "eagle3", "dflash"):
+        ap.add_argument(f"--{m}", default=str(default_drafter(m)), help=f"{m} drafter checkpoint")
+    ap.add_argument("-k", type=int, default=7, help="speculative tokens per round")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated max_num_seqs levels")
+    ap.add_argument("--max-prompt-tokens", type=int, default=16384, help="skip longer prompts")
+    ap.add_argument("--max-requests", type=int, default=0, help="keep N requests spread evenly (0: all)")
+    args = ap.parse_args(argv)
+    args.concurrency = sorted(int(c) for c in args.concurrency.split(","))
+    args.max_model_len = args.max_prompt_tokens + args.max_tokens + args.k + 8
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from vllm_dlite.workloads.replay import load_replay
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    requests = load_replay(args.workload, tok, max_prompt_tokens=args.max_prompt_tokens)
+    if not requests:
+        raise SystemExit(f"{args.workload}: no assistant turn with a prompt <= {args.max_prompt_tokens} tokens")
+    if args.max_requests and len(requests) > args.max_requests:
+        step = len(requests) / args.max_requests
+        requests = [requests[int(i * step)] for i in range(args.max_requests)]
+    prompts = [r.prompt_token_ids for r in requests]
+    settings = dict(
+        workload=args.workload, target=args.target, k=args.k, temperature=args.temperature,
+        max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed, concurrency=args.concurrency,
+        num_requests=len(prompts), prompt_tokens_min=min(map(len, prompts)),
+        prompt_tokens_max=max(map(len, prompts)), max_model_len=args.max_model_len,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
+        drafters={m: getattr(args, m) for m in ("dlite", "eagle3", "dflash") if m in methods},
+        command="python benchmarks/ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
+    print(json.dumps(settings), flush=True)
+
+    t0 = time.time()
+    results = {m: run_method(args, m, prompts, getattr(args, m, None)) for m in methods}
+    base = results.get("none", {}).get("_outputs")
+    for m, r in results.items():
+        outputs = r.pop("_outputs", None)
+        if base and outputs and m != "none" and args.temperature == 0:
+            r["identical_to_none"] = all(outputs[c] == base[c] for c in outputs if c in base)
+    settings["wall_s"] = round(time.time() - t0, 1)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(dict(settings=settings, methods=results), indent=2) + "\n")
+    write_markdown(args.out / "results.md", settings, results, args.concurrency)
+    notes = write_plots(args.out, results, args.concurrency)
+    print((args.out / "results.md").read_text())
+    print("\n".join(notes))
+    if any(r.get("identical_to_none") is False for r in results.values()):
+        print("error: some method changed the greedy output (speculative decoding must be lossless)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

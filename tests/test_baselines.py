@@ -1,0 +1,163 @@
+"""Baseline drafters trained with speculators==0.9.0 (vllm_dlite.train.baselines), end to end on a
+tiny random Qwen3 target: feature store in vLLM's aux-id convention, CPU training of EAGLE-3,
+DFlash and DSpark for a couple of steps, exported checkpoints without the target's weights, and
+(slow) vLLM serving them with greedy output identical to no speculation."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import helpers_vllm as H
+import pytest
+import torch
+
+from vllm_dlite.train import baselines as B
+
+K = 7
+N_SEQ = 8
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny target, a regenerated-format JSONL (prompt + answer token ids), a work dir."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("baselines")
+    target = H.make_tiny_target(root / "target")
+    tok = AutoTokenizer.from_pretrained(str(target))
+    records = []
+    for i, prompt in enumerate(H.make_prompts(N_SEQ)):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        answer = tok.encode(H._CORPUS[i % len(H._CORPUS)], add_special_tokens=False)[:NEW_TOKENS]
+        records.append(dict(id=f"s{i}#0", kind="chat", prompt_len=len(ids),
+                            token_ids=ids + answer))
+    data = root / "sequences.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return dict(root=root, target=target, data=data, work=root / "work", out=root / "models")
+
+
+def _train(tiny, method, *extra):
+    out = tiny["out"] / method
+    B.main([
+        "--method", method, "--target", str(tiny["target"]), "--data", str(tiny["data"]),
+        "--out", str(out), "--work-dir", str(tiny["work"]), "--epochs", "1", "--max-steps", "2",
+        "--max-len", "128", "--max-anchors", "16", "--log-freq", "1", "--fresh", *extra,
+    ])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny):
+    return {m: _train(tiny, m) for m in ("eagle3", "dflash", "dspark")}
+
+
+def test_default_layer_ids():
+    assert B.default_layer_ids("eagle3", 12) == [2, 6, 11]
+    assert B.default_layer_ids("dflash", 12) == [1, 3, 5, 8, 10, 12]
+    assert B.default_layer_ids("dspark", 12) == [1, 3, 5, 8, 10, 12]
+    assert B.store_layer_ids(12) == list(range(1, 13))
+    assert B.default_layer_ids("eagle3", 4) == [1, 2, 4]
+    assert B.file_layer_ids([2, 6, 11], 12) == [2, 6, 11, 12]
+
+
+def _backend_sample(target, features, layer_ids, row=0):
+    import argparse
+
+    from hs_connectors import HiddenStatesBackend
+
+    backend = HiddenStatesBackend.registry[B.register_layer_backend()]
+    args = argparse.Namespace(target_layer_ids=layer_ids, verifier_name_or_path=str(target),
+                              hidden_states_path=None)
+    return backend.from_train_args(args, str(features)).get_cached(row)
+
+
+def test_feature_store_matches_vllm_convention(tiny, trained):
+    """The store holds vLLM aux ids (HF hidden_states[i], id N pre-norm) and the speculators
+    backend returns ``aux layers + [id N]`` of the row's sequence."""
+    features = tiny["work"] / f"features-{tiny['target'].name}"
+    n = H.target_config(tiny["target"])["num_hidden_layers"]
+    meta = B.read_store_meta(features)
+    assert meta["layer_ids"] == list(range(1, n + 1))
+    seqs = B.load_sequences(tiny["data"], 128)
+    assert sorted(meta["file_index"]) == seqs.index  # every sequence, rows shuffled
+    row = 0
+    seq = seqs.input_ids[seqs.index.index(meta["file_index"][row])]
+    sample = _backend_sample(tiny["target"], features, [1, 2, 4], row)
+    assert sample["token_ids"].tolist() == seq
+    want = H.hf_features(tiny["target"], seq, [1, 2, 4, n])  # [T, 4, H] fp32
+    got = sample["hidden_states"].float()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # stored in bf16
+
+
+def test_feature_store_reuses_existing_files(tiny, trained, tmp_path, monkeypatch):
+    """Files already written under the same sequence indices (DLite's feature files) are read,
+    not recomputed."""
+    import vllm_dlite.train.features as F
+
+    src = tiny["work"] / f"features-{tiny['target'].name}" / "hidden_states"
+    seqs = B.load_sequences(tiny["data"], 128)
+    monkeypatch.setattr(F.TargetFeatureExtractor, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("features recomputed")))
+    store = B.write_feature_store(tiny["target"], seqs, tmp_path / "store", [1, 2, 3, 4],
+                                  reuse=src)
+    assert not list((store / "hidden_states").iterdir())
+    sample = _backend_sample(tiny["target"], store, [1, 3], row=len(seqs) - 1)
+    assert sample["token_ids"].tolist() == seqs.input_ids[-1]
+    assert sample["hidden_states"].shape[1] == 3
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_exported_checkpoint(tiny, trained, method):
+    from safetensors import safe_open
+
+    out = trained[method]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == method
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or cfg.get("aux_hidden_state_layer_ids")
+    assert ids == B.default_layer_ids(method, 4)
+    layers = cfg["transformer_layer_config"]["num_hidden_layers"]
+    assert layers == (1 if method == "eagle3" else 2)
+    if method != "eagle3":
+        assert cfg["mask_token_id"] == H.mask_token_id(tiny["target"])
+        assert cfg["block_size"] == (K + 1 if method == "dflash" else K)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        dtypes = {f.get_tensor(k).dtype for k in names}
+    assert not {"embed_tokens.weight", "lm_head.weight"} & set(names), names
+    assert dtypes <= {torch.bfloat16, torch.int64, torch.bool}, dtypes
+    assert (out / "README.md").is_file()
+
+
+@pytest.mark.slow
+def test_vllm_serves_baselines_greedy_identical(tiny, trained):
+    """vLLM 0.32 loads each exported checkpoint unchanged (method eagle3 / dflash, K = 7),
+    drafts with it, and greedy output equals output without speculation (fp32)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    H.apply_vllm_env()
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(str(tiny["target"]))
+    prompts = [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)}
+               for p in H.make_prompts(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    common = dict(model=str(tiny["target"]), dtype="float32", max_model_len=512, seed=0,
+                  enforce_eager=True)
+
+    llm = LLM(**common)
+    expected = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    for method in B.SERVABLE_ON_CPU:
+        llm = LLM(**common, disable_log_stats=False,
+                  speculative_config=B.vllm_speculative_config(method, trained[method], K))
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        drafts = sum(m.value for m in llm.get_metrics()
+                     if m.name == "vllm:spec_decode_num_drafts")
+        del llm
+        assert got == expected, method
+        assert drafts > 0, f"{method}: vLLM never drafted"
