@@ -350,7 +350,8 @@ def run_llm(
                 metrics[m.name] = m.value
         blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         drafter_types = llm.collective_rpc(
-            lambda worker: type(getattr(worker.model_runner, "drafter", None)).__name__
+            lambda worker: type(getattr(worker.model_runner, "drafter", None)  # V1
+                                or getattr(worker.model_runner, "speculator", None)).__name__  # V2
         )
         return RunResult(
             [list(o.outputs[0].token_ids) for o in outs], metrics, blocks, drafter_types, records

@@ -7,7 +7,7 @@ with identical engine settings. Terms (vLLM's conventions):
 * ``tau`` (mean acceptance length) = tokens produced per target verification, counting the bonus
   token = ``1 + accepted / num_drafts``.
 * ``tau_per_position[i]``: fraction of drafts whose position ``i`` (0-based) was accepted.
-* ``kv_pool_tokens``: the target's KV-cache capacity in tokens (blocks x block size).
+* ``kv_pool_tokens``: the KV-cache capacity in tokens as vLLM computes and logs it (all KV groups).
 """
 
 from __future__ import annotations
@@ -91,7 +91,13 @@ def build_llm(target: str | Path, spec: dict | None, *, dtype: str = "float32", 
 
 
 def kv_pool_tokens(llm) -> int:
+    """The target's KV capacity in tokens as vLLM logs it ("KV cache size: N tokens"): group-aware,
+    so a drafter with its own KV layers (EAGLE-3, DFlash) shows up as a smaller pool. Blocks x block
+    size is not: with several KV-cache groups the block count is per group."""
     cache = llm.llm_engine.vllm_config.cache_config
+    tokens = getattr(cache, "kv_cache_size_tokens", None)
+    if tokens:
+        return int(tokens)
     return int((cache.num_gpu_blocks or 0) * cache.block_size)
 
 
