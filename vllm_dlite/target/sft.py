@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .train import add_device_arguments, resolve_device
+
 
 def assistant_spans(ids: list[int], header: list[int], end_id: int) -> list[tuple[int, int]]:
     """``[start, stop)`` index ranges of assistant replies (their ``<|im_end|>`` included)."""
@@ -49,11 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--all-token-weight", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="auto: cuda when available (bf16 autocast), else cpu (fp32)")
-    ap.add_argument("--time-budget-s", type=float, default=0.0,
-                    help="train for this many seconds; the schedule follows the elapsed fraction")
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device = resolve_device(ap, args)
 
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
@@ -61,8 +61,6 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     out = Path(args.target)
     tok = AutoTokenizer.from_pretrained(out)
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
     model = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32).to(device)
     model.train()
     _, session_docs, _, heldout_docs, _ = torch.load(args.corpus)

@@ -77,6 +77,25 @@ def mean_loss(model, docs: list[list[int]], seq_len: int, max_windows: int) -> f
     return sum(losses) / len(losses)
 
 
+def add_device_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--time-budget-s``, shared by pre-training and SFT."""
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: cuda when available (bf16 autocast), else cpu (fp32)")
+    ap.add_argument("--time-budget-s", type=float, default=0.0,
+                    help="train for this many seconds instead of a step count: the schedule (and, in "
+                         "pre-training, the switch to long sessions) follows the elapsed fraction")
+
+
+def resolve_device(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The training device; a bad ``--device``/``--time-budget-s`` is one clear error at start-up."""
+    if args.time_budget_s < 0:
+        ap.error(f"--time-budget-s must be > 0 seconds (0 trains for --steps), got {args.time_budget_s}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device; use --device cpu or auto")
+    return torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                        else "cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="models/qwen3-tiny-stdlib")
@@ -92,12 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=8e-4)
     ap.add_argument("--init-from", help="continue from this target directory's weights (same tokenizer)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="auto: cuda when available (bf16 autocast), else cpu (fp32)")
-    ap.add_argument("--time-budget-s", type=float, default=0.0,
-                    help="train for this many seconds instead of a step count: the schedule and the "
-                         "switch to long sessions follow the elapsed fraction of the budget")
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device = resolve_device(ap, args)
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -150,8 +166,6 @@ def main(argv: list[str] | None = None) -> None:
                          bos_token_id=eos_ids[1], eos_token_id=eos_ids, pad_token_id=eos_ids[1],
                          **TARGET_SHAPE)
     config._attn_implementation = "sdpa"
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
     model = Qwen3ForCausalLM(config)
     previous = None
     if args.init_from:  # a second stage: same architecture and tokenizer, new optimizer and schedule
