@@ -201,9 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=16384, help="skip longer prompts")
     ap.add_argument("--max-requests", type=int, default=0, help="keep N requests spread evenly (0: all)")
     args = ap.parse_args(argv)
-    args.concurrency = sorted(int(c) for c in args.concurrency.split(","))
+    from vllm_dlite.vllm.replay_engine import METHODS
+
+    try:  # bad options fail here, before any engine starts
+        args.concurrency = sorted(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        ap.error(f"--concurrency: expected comma-separated integers like 1,4,16, got {args.concurrency!r}")
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error("--concurrency: every level must be >= 1")
     args.max_model_len = args.max_prompt_tokens + args.max_tokens + args.k + 8
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        ap.error(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(METHODS)}")
+    if not Path(args.workload).is_file():
+        ap.error(f"--workload: {args.workload} does not exist (a sessions JSONL, DESIGN.md section 5)")
 
     import torch
     from transformers import AutoTokenizer
