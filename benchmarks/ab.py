@@ -56,29 +56,10 @@ def context_bucket(tokens: int) -> int:
     return min(CONTEXT_BUCKETS, key=lambda b: abs(math.log(max(tokens, 1) / b)))
 
 
-def replay_once(target: str, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
-    """One fresh engine, one replay; runs in its own process (see :func:`run_method`)."""
-    from vllm_dlite.vllm.plugin import register
-    from vllm_dlite.vllm.replay_engine import DraftTimer, build_llm, run_replay, shutdown
-
-    register()
-    llm = build_llm(target, spec, dtype=opts["dtype"], max_model_len=opts["max_model_len"],
-                    seed=opts["seed"], max_num_seqs=opts["concurrency"])
-    run_replay(llm, "warm-up", prompts[:1], max_tokens=4, temperature=opts["temperature"])
-    with DraftTimer() as timer:
-        r = run_replay(llm, "replay", prompts, max_tokens=opts["max_tokens"],
-                       temperature=opts["temperature"], seed=opts["seed"])
-    shutdown(llm)
-    return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records)
-
-
 def run_method(args, method: str, prompts: list[list[int]], drafter: str | None) -> dict:
     """Every concurrency level in a fresh engine in a fresh process: nothing (compiled kernels,
     patched modules, allocator state) carries over from one method to the next."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    from vllm_dlite.vllm.replay_engine import MethodUnavailable, speculative_config
+    from vllm_dlite.vllm.replay_engine import MethodUnavailable, replay_in_fresh_process, speculative_config
 
     try:
         spec = speculative_config(method, args.k, drafter)
@@ -86,11 +67,11 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
         return {"status": "unavailable", "reason": str(exc)}
     per_concurrency, draft_rounds = {}, []
     for c in args.concurrency:
-        opts = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, concurrency=c,
-                    temperature=args.temperature, max_tokens=args.max_tokens)
+        opts = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, max_num_seqs=c,
+                    temperature=args.temperature, max_tokens=args.max_tokens,
+                    tensor_parallel_size=args.tensor_parallel_size)
         try:
-            with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-                res = pool.submit(replay_once, args.target, spec, prompts, opts).result()
+            res = replay_in_fresh_process(args.target, spec, prompts, opts)
         except Exception as exc:  # noqa: BLE001 - reported in the results, not swallowed
             traceback.print_exc()
             print(f"[{method}] failed at concurrency {c}: {exc!r}", flush=True)
@@ -124,7 +105,8 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
              f"target `{settings['target']}`, K={settings['k']}, temperature {settings['temperature']}, "
              f"max {settings['max_tokens']} new tokens, dtype {settings['dtype']}, "
              f"{settings['num_requests']} requests ({settings['prompt_tokens_min']}-"
-             f"{settings['prompt_tokens_max']} prompt tokens), device {settings['device']}.", "",
+             f"{settings['prompt_tokens_max']} prompt tokens), device {settings['device']}, "
+             f"tensor parallel {settings.get('tensor_parallel_size', 1)}.", "",
              "| method | tau | per-position acceptance | "
              + " | ".join(f"tok/s @{c}" for c in concurrency)
              + " | ITL ms @1 | KV pool tokens | draft ms @1k / 4k / 16k | identical to none |",
@@ -200,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated max_num_seqs levels")
     ap.add_argument("--max-prompt-tokens", type=int, default=16384, help="skip longer prompts")
     ap.add_argument("--max-requests", type=int, default=0, help="keep N requests spread evenly (0: all)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="shard the target over N workers (on CPU each rank is pinned to its own cores; "
+                         "draft times are not recorded then: the drafter runs in the workers)")
     args = ap.parse_args(argv)
     from vllm_dlite.vllm.replay_engine import METHODS
 
@@ -214,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         ap.error(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(METHODS)}")
+    if args.tensor_parallel_size < 1:
+        ap.error("--tensor-parallel-size must be >= 1")
     if not Path(args.workload).is_file():
         ap.error(f"--workload: {args.workload} does not exist (a sessions JSONL, DESIGN.md section 5)")
 
@@ -233,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(
         workload=args.workload, target=args.target, k=args.k, temperature=args.temperature,
         max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed, concurrency=args.concurrency,
+        tensor_parallel_size=args.tensor_parallel_size,
         num_requests=len(prompts), prompt_tokens_min=min(map(len, prompts)),
         prompt_tokens_max=max(map(len, prompts)), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",

@@ -28,13 +28,15 @@ def main() -> None:
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
     ap.add_argument("--max-num-seqs", type=int, default=4, help="concurrency inside the engine")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="shard the target over N workers (on CPU each rank is pinned to its own cores)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     from transformers import AutoTokenizer
 
-    from vllm_dlite.vllm.replay_engine import (MethodUnavailable, build_llm, run_replay, shutdown,
+    from vllm_dlite.vllm.replay_engine import (MethodUnavailable, RunResult, replay_in_fresh_process,
                                                speculative_config)
     from vllm_dlite.workloads.replay import load_replay
 
@@ -47,8 +49,11 @@ def main() -> None:
     print(f"{len(prompts)} replay prompts from {args.workload} "
           f"({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens), "
           f"max {args.max_tokens} new tokens, greedy, K={args.num_speculative_tokens}, dtype {args.dtype}, "
-          f"max_num_seqs {args.max_num_seqs}, device cpu")
+          f"max_num_seqs {args.max_num_seqs}, tensor parallel {args.tensor_parallel_size}, device cpu")
 
+    opts = dict(dtype=args.dtype, max_model_len=args.max_prompt_tokens + args.max_tokens + 64, seed=0,
+                max_num_seqs=args.max_num_seqs, temperature=0.0, max_tokens=args.max_tokens,
+                tensor_parallel_size=args.tensor_parallel_size)
     results = {}
     for method in args.methods.split(","):
         drafter = args.drafter if method == "dlite" else None
@@ -57,11 +62,9 @@ def main() -> None:
         except MethodUnavailable as exc:
             print(f"[{method}] unavailable: {exc}")
             continue
-        llm = build_llm(args.target, spec, dtype=args.dtype, max_model_len=args.max_prompt_tokens + args.max_tokens + 64,
-                        max_num_seqs=args.max_num_seqs)
-        run_replay(llm, method, prompts[:1], max_tokens=4)  # warm-up outside the timed run
-        results[method] = run_replay(llm, method, prompts, max_tokens=args.max_tokens)
-        shutdown(llm)
+        # each engine in its own process; one warm-up request outside the timed replay
+        res = replay_in_fresh_process(args.target, spec, prompts, opts)
+        results[method] = RunResult(**res["summary"], outputs=res["outputs"])
 
     base = results.get("none")
     print(f"\n{'method':8} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'ITL ms':>8} {'KV pool':>10}  identical  per-position acceptance")

@@ -61,6 +61,12 @@ def spec_decode_counters(base: str) -> dict[str, float]:
     return counters
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
@@ -68,6 +74,8 @@ def main() -> None:
     ap.add_argument("--workload", default=str(REPO / "benchmarks/workloads/heldout_agentic.jsonl"))
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="shard the target over N workers (on CPU each rank gets its own cores)")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--json", help="also write the reply and the spec-decode counters here")
     args = ap.parse_args()
@@ -87,9 +95,15 @@ def main() -> None:
            "--port", str(port), "--dtype", "float32", "--max-model-len", "16384",
            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
            "--speculative-config", json.dumps(spec)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
+    if args.tensor_parallel_size > 1:
+        from vllm_dlite.vllm.replay_engine import cpu_thread_binding
+
+        cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+        if not _has_cuda():  # vLLM's CPU workers need one core group per rank
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(args.tensor_parallel_size)
     print("+", " ".join(cmd[:-1]), f"'{cmd[-1]}'", flush=True)
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"dlite-serve-{port}.log"
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

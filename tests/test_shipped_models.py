@@ -23,62 +23,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_vllm as H  # noqa: E402
-from paths import DRAFTER_DIR, REPO, TARGET_DIR, WORKLOADS  # noqa: E402
+from paths import DRAFTER_DIR, REPO, TARGET_DIR  # noqa: E402
 
 H.apply_vllm_env()
 torch.set_num_threads(1)
 vllm = pytest.importorskip("vllm")
 
-K = 7
-MAX_TOKENS = 48
-MAX_PROMPT_TOKENS = 3072
-REQUESTS_PER_KIND = 6
+from conftest import (SHIPPED_K as K, SHIPPED_MAX_TOKENS as MAX_TOKENS,  # noqa: E402
+                      SHIPPED_REQUESTS_PER_KIND as REQUESTS_PER_KIND)
 
 pytestmark = pytest.mark.skipif(not (DRAFTER_DIR / "model.safetensors").exists(),
                                 reason="no shipped drafter (models/dlite-qwen3-tiny-stdlib)")
 
 
-@pytest.fixture(scope="module")
-def requests():
-    from transformers import AutoTokenizer
-
-    from vllm_dlite.eval.offline import load_requests
-
-    tok = AutoTokenizer.from_pretrained(str(TARGET_DIR))
-    return load_requests(tok, [str(WORKLOADS / "heldout_agentic.jsonl"), str(WORKLOADS / "heldout_code.jsonl")],
-                         max_prompt_tokens=MAX_PROMPT_TOKENS, max_requests_per_kind=REQUESTS_PER_KIND)
-
-
-@pytest.fixture(scope="module")
-def vllm_runs(requests):
-    from vllm_dlite.vllm.replay_engine import build_llm, run_replay, shutdown, speculative_config
-
-    prompts = [r.prompt_token_ids for r in requests]
-    runs = {}
-    for method in ("none", "dlite"):
-        llm = build_llm(TARGET_DIR, speculative_config(method, K, DRAFTER_DIR), max_model_len=4096,
-                        max_num_seqs=4, enforce_eager=True)
-        runs[method] = run_replay(llm, method, prompts, max_tokens=MAX_TOKENS)
-        shutdown(llm)
-    return runs
-
-
 @pytest.mark.slow
-def test_lossless_greedy_on_agentic_and_code_turns(requests, vllm_runs):
-    kinds = {r.kind for r in requests}
-    assert kinds == {"agentic", "code"} and len(requests) == 2 * REQUESTS_PER_KIND
-    for req, base, spec in zip(requests, vllm_runs["none"].outputs, vllm_runs["dlite"].outputs):
+def test_lossless_greedy_on_agentic_and_code_turns(shipped_requests, shipped_replays):
+    kinds = [r.kind for r in shipped_requests]
+    assert sorted(kinds) == ["agentic"] * REQUESTS_PER_KIND + ["code"] * REQUESTS_PER_KIND
+    runs = shipped_replays
+    for req, base, spec in zip(shipped_requests, runs["none"]["outputs"], runs["dlite"]["outputs"]):
         assert spec == base, f"{req.session_id}#{req.turn}: DLite changed the greedy output"
-    assert vllm_runs["dlite"].num_drafts > 0
+    assert runs["dlite"]["summary"]["num_drafts"] > 0
 
 
 @pytest.mark.slow
-def test_no_draft_kv_cache(vllm_runs):
-    assert vllm_runs["dlite"].kv_pool_tokens == vllm_runs["none"].kv_pool_tokens > 0
+def test_no_draft_kv_cache(shipped_replays):
+    dlite, none = shipped_replays["dlite"]["summary"], shipped_replays["none"]["summary"]
+    assert dlite["kv_pool_tokens"] == none["kv_pool_tokens"] > 0
 
 
 @pytest.mark.slow
-def test_vllm_tau_matches_offline_estimator(requests, vllm_runs):
+def test_vllm_tau_matches_offline_estimator(shipped_requests, shipped_replays):
     from vllm_dlite.eval.offline import SpeculativeSimulator, TargetFeatureExtractor
     from vllm_dlite.model import load_drafter
 
@@ -88,15 +63,16 @@ def test_vllm_tau_matches_offline_estimator(requests, vllm_runs):
     drafter.bind_target(extractor.embed_weight, extractor.lm_head_weight)
     sim = SpeculativeSimulator(extractor, drafter, K)
     rounds = accepted = 0
-    for req, base in zip(requests, vllm_runs["none"].outputs):
+    for req, base in zip(shipped_requests, shipped_replays["none"]["outputs"]):
         res = sim.generate(req.prompt_token_ids, MAX_TOKENS, req.session_id, req.kind)
         assert res.output_ids == base, "offline simulation is not the target's greedy output"
         rounds += res.rounds
         accepted += sum(res.accepted)
     tau_offline = 1 + accepted / rounds
-    tau_vllm = vllm_runs["dlite"].tau
-    print(f"tau vLLM {tau_vllm:.4f} ({vllm_runs['dlite'].num_drafts} drafts), offline {tau_offline:.4f} "
-          f"({rounds} rounds), per-position vLLM {[round(x, 3) for x in vllm_runs['dlite'].tau_per_position]}")
+    dlite = shipped_replays["dlite"]["summary"]
+    tau_vllm = dlite["tau"]
+    print(f"tau vLLM {tau_vllm:.4f} ({dlite['num_drafts']} drafts), offline {tau_offline:.4f} "
+          f"({rounds} rounds), per-position vLLM {[round(x, 3) for x in dlite['tau_per_position']]}")
     assert abs(tau_vllm - tau_offline) <= 0.05 * tau_offline, (tau_vllm, tau_offline)
 
 

@@ -10,6 +10,14 @@ thin wrapper around :class:`vllm_dlite.model.DLiteDrafter`:
   the proposer after the target is loaded, hands the target's ``embed_tokens.weight`` and
   ``lm_head.weight`` to ``DLiteDrafter.bind_target`` (no copy). A checkpoint that carries its own
   ``embed_tokens``/``lm_head`` keeps them.
+* **Tensor parallelism: every rank holds the whole drafter** (its own weights are replicated; they
+  are small) **and a full copy of the shared embedding / lm_head**, all-gathered once from the
+  target's vocabulary-parallel shards at load time and put back in token-id order with vLLM's
+  ``get_sharded_to_full_mapping``. Each rank then drafts alone from the same all-reduced aux
+  hidden states and the same anchors, so all ranks compute the same drafts with no collective
+  inside the K head steps (the fused sequential-head op needs the whole vocabulary for its argmax).
+  Cost: ``(1 - 1/TP)`` of each matrix extra per rank (Qwen3-8B, untied, bf16, TP=2: 0.62 GB per
+  matrix, 1.25 GB per rank); the README's "Tensor parallelism" section has the time trade-off.
 * **No vLLM ``Attention`` layers** are created, so vLLM allocates **no draft KV cache**: the
   drafter's attention runs over ``[L target features ; K block elements]`` built afresh every
   round (``vllm_dlite.ops.draft_attention``).
@@ -89,14 +97,19 @@ class DFlashDLiteDraftModel(nn.Module):
         if embed is None:
             embed = getattr(inner, "embedding", None)
         lm_head = getattr(lm, "lm_head", None)
-        embed_w = None if self.drafter.embed_tokens is not None else _weight(embed, "embed_tokens")
-        head_w = None if self.drafter.lm_head is not None else _weight(lm_head, "lm_head")
+        embed_w = None if self.drafter.embed_tokens is not None else _full_weight(embed, "embed_tokens")
+        if self.drafter.lm_head is not None:
+            head_w = None
+        elif lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is getattr(embed, "weight", 0):
+            head_w = embed_w if embed_w is not None else _full_weight(lm_head, "lm_head")  # tied: gather once
+        else:
+            head_w = _full_weight(lm_head, "lm_head")
         for name, w in (("embed_tokens", embed_w), ("lm_head", head_w)):
             if w is not None and w.shape[0] < self.vocab_size:
                 raise ValueError(
                     f"the target's {name} has {w.shape[0]} rows but the DLite drafter needs "
-                    f"{self.vocab_size} (target_vocab_size): tensor-parallel vocab sharding is not "
-                    "supported by DLite yet; serve with tensor_parallel_size=1"
+                    f"{self.vocab_size} (target_vocab_size): the drafter was trained for a target "
+                    "with a larger vocabulary; use a drafter trained for this target"
                 )
         self.drafter.bind_target(embed_w, head_w)
 
@@ -201,6 +214,30 @@ class DFlashDLiteDraftModel(nn.Module):
         """Weights were loaded by ``load_drafter`` in ``__init__`` (the one loader); vLLM's
         iterator is not consumed (it would read the file a second time)."""
         return {name for name, _ in self.named_parameters()}
+
+
+def _full_weight(module: Optional[nn.Module], name: str) -> torch.Tensor:
+    """The target's ``[V_padded, H]`` embedding / lm_head weight over the WHOLE vocabulary, rows in
+    token-id order. Unsharded: the weight itself (no copy). Vocabulary-parallel (TP > 1): every
+    rank all-gathers the shards once (a collective: all ranks load the drafter together)."""
+    weight = _weight(module, name)
+    tp_size = getattr(module, "tp_size", 1)
+    if tp_size <= 1:
+        return weight
+    from vllm.distributed import get_tp_group
+
+    group = getattr(module, "parallel_group", None) or get_tp_group()
+    with torch.no_grad():
+        gathered = group.all_gather(weight.detach().contiguous(), dim=0)  # rank-major shards
+        order = module.get_sharded_to_full_mapping()  # position in `gathered` of each token id
+        if order is not None:
+            gathered = gathered[torch.tensor(order, device=gathered.device)]
+    if gathered.shape[0] != module.num_embeddings_padded:
+        raise RuntimeError(
+            f"gathering the target's {name} over {tp_size} ranks gave {gathered.shape[0]} rows, "
+            f"expected {module.num_embeddings_padded}"
+        )
+    return gathered
 
 
 def _weight(module: Optional[nn.Module], name: str) -> torch.Tensor:

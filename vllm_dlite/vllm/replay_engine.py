@@ -13,6 +13,7 @@ with identical engine settings. Terms (vLLM's conventions):
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,10 +82,35 @@ def spec_decode_counters(llm) -> dict:
     return out
 
 
+def cpu_thread_binding(tensor_parallel_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tensor_parallel_size`` CPU workers: this process's allowed
+    cores split into one contiguous group per rank (``"0|1"`` on 2 cores, ``"0-7|8-15"`` on 16).
+    vLLM's CPU backend needs one entry per rank; without it TP start-up fails with "Not enough
+    allowed NUMA nodes"."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} on CPU needs one core per rank, but this "
+            f"process may use {len(cores)} core(s) ({cores}); lower tensor_parallel_size"
+        )
+    per_rank = len(cores) // tensor_parallel_size
+    groups = [cores[r * per_rank:(r + 1) * per_rank] for r in range(tensor_parallel_size)]
+    return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
+
+
 def build_llm(target: str | Path, spec: dict | None, *, dtype: str = "float32", max_model_len: int = 32768,
               seed: int = 0, max_num_seqs: int = 16, **engine_kwargs):
+    """``vllm.LLM`` with the settings every method shares. On CPU with ``tensor_parallel_size > 1``
+    it pins each rank to its own cores unless ``VLLM_CPU_OMP_THREADS_BIND`` already lists one
+    entry per rank."""
     from vllm import LLM
+    from vllm.platforms import current_platform
 
+    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    if tp > 1 and current_platform.is_cpu():
+        binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+        if binding.count("|") != tp - 1:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp)
     return LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, seed=seed,
                max_num_seqs=max_num_seqs, speculative_config=spec, disable_log_stats=False,
                **engine_kwargs)
@@ -175,6 +201,36 @@ class DraftTimer:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         GPUModelRunner.propose_draft_token_ids = self._original
+
+
+def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
+    """One fresh engine, one warm-up request, one timed replay of ``prompts``; the body of
+    :func:`replay_in_fresh_process`. ``opts``: dtype, max_model_len, seed, max_num_seqs,
+    temperature, max_tokens and optionally tensor_parallel_size and env (variables set first)."""
+    os.environ.update(opts.get("env") or {})
+    from vllm_dlite.vllm.plugin import register
+
+    register()
+    extra = {"tensor_parallel_size": opts["tensor_parallel_size"]} if opts.get("tensor_parallel_size", 1) > 1 else {}
+    llm = build_llm(target, spec, dtype=opts["dtype"], max_model_len=opts["max_model_len"],
+                    seed=opts["seed"], max_num_seqs=opts["max_num_seqs"], **extra)
+    run_replay(llm, "warm-up", prompts[:1], max_tokens=4, temperature=opts["temperature"])
+    with DraftTimer() as timer:  # records nothing when the drafter runs in worker processes (TP > 1)
+        r = run_replay(llm, "replay", prompts, max_tokens=opts["max_tokens"],
+                       temperature=opts["temperature"], seed=opts["seed"])
+    shutdown(llm)
+    return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records)
+
+
+def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
+    """:func:`replay_once` in a freshly spawned process: nothing (compiled kernels, patched modules,
+    allocator state, vllm-cpu's kernel re-binding, which fails from the third engine in one
+    process) carries over from one engine to the next. Returns ``{summary, outputs, draft_rounds}``."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(replay_once, str(target), spec, prompts, opts).result()
 
 
 def shutdown(llm) -> None:

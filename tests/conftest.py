@@ -1,0 +1,60 @@
+"""Shared fixtures: the shipped tiny target + DLite drafter replayed through vLLM once per session.
+
+``shipped_requests``: 8 held-out agentic + 8 held-out code turns (prompts <= 3,072 tokens).
+``shipped_replays``: those prompts through a fresh vLLM engine (fresh process; fp32, greedy, K = 7,
+48 new tokens, ``max_num_seqs`` 4) without speculation (``"none"``) and with DLite (``"dlite"``),
+as ``{summary, outputs, draft_rounds}`` from ``replay_in_fresh_process``. Used by
+``test_shipped_models.py`` and, as the TP=1 reference, by ``test_tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import DRAFTER_DIR, TARGET_DIR, WORKLOADS  # noqa: E402
+
+SHIPPED_K = 7
+SHIPPED_MAX_TOKENS = 48
+SHIPPED_MAX_PROMPT_TOKENS = 3072
+SHIPPED_REQUESTS_PER_KIND = 8
+
+
+def replay_shipped(prompts: list[list[int]], method: str, tensor_parallel_size: int = 1) -> dict:
+    """One fresh engine over the shipped target (``method`` = none / dlite), in its own process."""
+    import helpers_vllm as H
+
+    from vllm_dlite.vllm.replay_engine import replay_in_fresh_process, speculative_config
+
+    env = dict(H.vllm_env())
+    if tensor_parallel_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ""  # the engine builder pins one core group per rank
+    opts = dict(dtype="float32", max_model_len=SHIPPED_MAX_PROMPT_TOKENS + SHIPPED_MAX_TOKENS + 16, seed=0,
+                max_num_seqs=4, temperature=0.0, max_tokens=SHIPPED_MAX_TOKENS,
+                tensor_parallel_size=tensor_parallel_size, env=env)
+    spec = speculative_config(method, SHIPPED_K, DRAFTER_DIR)
+    return replay_in_fresh_process(TARGET_DIR, spec, prompts, opts)
+
+
+@pytest.fixture(scope="session")
+def shipped_requests():
+    from transformers import AutoTokenizer
+
+    from vllm_dlite.eval.offline import load_requests
+
+    tok = AutoTokenizer.from_pretrained(str(TARGET_DIR))
+    return load_requests(tok, [str(WORKLOADS / "heldout_agentic.jsonl"), str(WORKLOADS / "heldout_code.jsonl")],
+                         max_prompt_tokens=SHIPPED_MAX_PROMPT_TOKENS,
+                         max_requests_per_kind=SHIPPED_REQUESTS_PER_KIND)
+
+
+@pytest.fixture(scope="session")
+def shipped_replays(shipped_requests):
+    pytest.importorskip("vllm")
+    if not (DRAFTER_DIR / "model.safetensors").exists():
+        pytest.skip("no shipped drafter (models/dlite-qwen3-tiny-stdlib)")
+    prompts = [r.prompt_token_ids for r in shipped_requests]
+    return {method: replay_shipped(prompts, method) for method in ("none", "dlite")}

@@ -1,0 +1,69 @@
+"""DLite with the target sharded over two tensor-parallel workers (vLLM's CPU backend, each rank
+pinned to its own core: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, set by the engine builder).
+
+Shipped tiny target + DLite drafter, fp32, K = 7, greedy, the 16 held-out turns of
+``conftest.shipped_requests`` (8 agentic, 8 code); the TP=1 runs are ``conftest.shipped_replays``:
+
+* greedy outputs with TP=2 + DLite equal TP=1 without speculation, token for token;
+* every rank drafts alone from the all-reduced (full-width) aux hidden states and a full copy of
+  the vocabulary-parallel embedding / lm_head, so TP=2 drafts as TP=1 does: same number of drafts,
+  same accepted tokens per position, hence the same tau;
+* ``vllm serve --tensor-parallel-size 2`` with DLite answers a chat completion with tools and
+  counts drafts in ``/metrics`` (``examples/serve_dlite.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import SHIPPED_REQUESTS_PER_KIND, replay_shipped  # noqa: E402
+from paths import DRAFTER_DIR, REPO  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (DRAFTER_DIR / "model.safetensors").exists(), reason="no shipped drafter"),
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on CPU needs two cores"),
+]
+
+
+@pytest.fixture(scope="module")
+def tp2_dlite(shipped_requests, shipped_replays):
+    return replay_shipped([r.prompt_token_ids for r in shipped_requests], "dlite", tensor_parallel_size=2)
+
+
+def test_tp2_dlite_equals_tp1_without_speculation(shipped_requests, shipped_replays, tp2_dlite):
+    assert [r.kind for r in shipped_requests].count("agentic") == SHIPPED_REQUESTS_PER_KIND
+    base = shipped_replays["none"]["outputs"]
+    assert len(base) == len(tp2_dlite["outputs"]) >= 16
+    for req, a, b in zip(shipped_requests, base, tp2_dlite["outputs"]):
+        assert b == a, f"{req.session_id}#{req.turn}: TP=2 with DLite changed the greedy output"
+    assert tp2_dlite["summary"]["num_drafts"] > 0
+
+
+def test_tp2_tau_equals_tp1_tau(shipped_replays, tp2_dlite):
+    one, two = shipped_replays["dlite"]["summary"], tp2_dlite["summary"]
+    print(f"tau TP=1 {one['tau']:.4f} ({one['num_drafts']} drafts, {one['output_tokens_per_s']:.1f} tok/s), "
+          f"TP=2 {two['tau']:.4f} ({two['num_drafts']} drafts, {two['output_tokens_per_s']:.1f} tok/s)")
+    assert (two["num_drafts"], two["accepted_tokens"]) == (one["num_drafts"], one["accepted_tokens"])
+    assert two["tau_per_position"] == pytest.approx(one["tau_per_position"], abs=1e-12)
+
+
+def test_serve_with_tensor_parallel_2(tmp_path):
+    out = tmp_path / "serve.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the example pins one core per rank itself
+    proc = subprocess.run([sys.executable, str(REPO / "examples/serve_dlite.py"), "--tensor-parallel-size", "2",
+                           "--max-tokens", "32", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "--tensor-parallel-size" in report["command"]
+    assert report["usage"]["completion_tokens"] > 0
+    assert report["spec_decode"]["vllm:spec_decode_num_drafts_total"] > 0
