@@ -169,6 +169,27 @@ def _copy_ckpt(src: Path, dst: Path, edit=None) -> Path:
     return dst
 
 
+def _rewrite_tensors(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+
+
+CORRUPTIONS = {  # ways a drafter checkpoint's model.safetensors gets damaged in practice
+    "truncated_weights": _truncate,
+    "missing_tensor": lambda p: _rewrite_tensors(p, lambda t: t.pop("norm.weight")),
+    "wrong_dtype": lambda p: _rewrite_tensors(p, lambda t: t.update({"norm.weight": t["norm.weight"].int()})),
+    "wrong_shape": lambda p: _rewrite_tensors(p, lambda t: t.update({"norm.weight": t["norm.weight"][:3]})),
+}
+
+
 def _set_dlite(key, value):
     def edit(cfg):
         cfg["dlite_config"][key] = value
@@ -186,6 +207,10 @@ def _set_dlite(key, value):
         ("layers_outside", ValueError, "reads target layers [7]"),
         ("k_too_large", ValueError, "exceeds the DLite drafter's block size"),
         ("no_model", ValueError, 'needs "model"'),
+        ("truncated_weights", ValueError, "is truncated"),
+        ("missing_tensor", ValueError, "missing tensors ['norm.weight']"),
+        ("wrong_dtype", ValueError, "has dtype I32"),
+        ("wrong_shape", ValueError, "has shape (3,)"),
     ],
 )
 def test_bad_config_errors(models, tmp_path, case, error, needle):
@@ -213,10 +238,16 @@ def test_bad_config_errors(models, tmp_path, case, error, needle):
         spec = dlite(models.drafter, num_speculative_tokens=H.BLOCK_K + 1)
     elif case == "no_model":
         spec = {"method": "dlite"}
+    elif case in CORRUPTIONS:
+        d = _copy_ckpt(models.drafter, tmp_path / "d")
+        CORRUPTIONS[case](d / "model.safetensors")
+        spec = dlite(d)
     with pytest.raises(error) as err:
         plugin.prepare_speculative_config(spec, cfg)
     assert needle in str(err.value), str(err.value)
     assert "\n" not in str(err.value)
+    if case in CORRUPTIONS:
+        assert str(tmp_path / "d" / "model.safetensors") in str(err.value)
 
 
 def test_bad_config_error_surfaces_from_engine_args(models, tmp_path):

@@ -5,6 +5,7 @@ from vllm_dlite.model.drafter import (
     DLiteBase,
     DLiteDrafter,
     DraftOutput,
+    check_weights_file,
     load_drafter,
     read_checkpoint_config,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "DLiteDrafter",
     "DraftOutput",
     "HistoryTeacher",
+    "check_weights_file",
     "load_drafter",
     "read_checkpoint_config",
 ]

@@ -467,6 +467,60 @@ def read_checkpoint_config(path: Union[str, Path]) -> tuple[dict[str, Any], DLit
     return cfg_dict, config
 
 
+_WEIGHT_DTYPES = ("F32", "F16", "BF16")
+
+
+def check_weights_file(path: Union[str, Path]) -> DLiteConfig:
+    """Check a checkpoint's ``model.safetensors`` against its ``config.json`` WITHOUT reading the
+    tensor data (header only; cheap enough for config time): the file is complete (its size is the
+    header's), every tensor the config implies is there with its shape, none is unexpected, all are
+    floating point (f32/f16/bf16). Raises one :class:`CheckpointError` naming the file and every
+    problem. Returns the checkpoint's :class:`DLiteConfig`."""
+    import struct
+
+    _, config = read_checkpoint_config(path)
+    weights_file = Path(path) / WEIGHTS_FILE
+    size = weights_file.stat().st_size
+    try:
+        with open(weights_file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"header of {header_len} bytes in a {size}-byte file")
+            header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"{weights_file} cannot be read as safetensors ({exc}); re-export the drafter with "
+            "DLiteDrafter.save_pretrained"
+        ) from None
+    header.pop("__metadata__", None)
+    data_end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    if size != 8 + header_len + data_end:
+        raise CheckpointError(
+            f"{weights_file} is truncated or padded: {size} bytes, its header describes "
+            f"{8 + header_len + data_end}; copy or re-export the checkpoint"
+        )
+    with torch.device("meta"):  # shapes only
+        model = DLiteDrafter(config, own_embed_tokens="embed_tokens.weight" in header,
+                             own_lm_head="lm_head.weight" in header)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    problems = []
+    missing = sorted(set(expected) - set(header))
+    unexpected = sorted(set(header) - set(expected))
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected}")
+    for name in sorted(set(expected) & set(header)):
+        shape, dtype = tuple(header[name]["shape"]), header[name]["dtype"]
+        if shape != expected[name]:
+            problems.append(f"tensor '{name}' has shape {shape}, config.json implies {expected[name]}")
+        if dtype not in _WEIGHT_DTYPES:
+            problems.append(f"tensor '{name}' has dtype {dtype}, expected one of {list(_WEIGHT_DTYPES)}")
+    if problems:
+        raise CheckpointError(f"{weights_file} does not match its {CONFIG_FILE}: " + "; ".join(problems))
+    return config
+
+
 def load_drafter(
     path: Union[str, Path],
     device: Union[str, torch.device] = "cpu",
@@ -481,7 +535,7 @@ def load_drafter(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    _, config = read_checkpoint_config(path)
+    config = check_weights_file(path)  # names, shapes, dtypes, completeness: one clear error
     weights_file = Path(path) / WEIGHTS_FILE
     try:
         tensors = load_file(str(weights_file), device=str(device))
@@ -494,24 +548,6 @@ def load_drafter(
             own_embed_tokens="embed_tokens.weight" in tensors,
             own_lm_head="lm_head.weight" in tensors,
         )
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    problems = []
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing:
-        problems.append(f"missing tensors {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors {unexpected}")
-    for name in sorted(set(expected) & set(tensors)):
-        if tuple(tensors[name].shape) != expected[name]:
-            problems.append(
-                f"tensor '{name}' has shape {tuple(tensors[name].shape)}, config.json implies "
-                f"{expected[name]}"
-            )
-    if problems:
-        raise CheckpointError(
-            f"{weights_file} does not match its {CONFIG_FILE}: " + "; ".join(problems)
-        )
     model.load_state_dict(tensors, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval()
@@ -522,6 +558,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "CheckpointError",
     "DLiteBase",
+    "check_weights_file",
     "DLiteDrafter",
     "DraftAttention",
     "DraftDecoderLayer",

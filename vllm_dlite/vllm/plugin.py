@@ -294,7 +294,7 @@ def validate_dlite_checkpoint(
     ``NotADirectoryError`` / ``ValueError`` with one message naming the fix.
     """
     from vllm_dlite.config import DRAFT_ARCHITECTURE
-    from vllm_dlite.model import read_checkpoint_config
+    from vllm_dlite.model import check_weights_file, read_checkpoint_config
 
     directory = resolve_checkpoint_dir(model, revision)
     cfg_dict, cfg = read_checkpoint_config(directory)  # files, JSON, dlite_config block
@@ -352,6 +352,7 @@ def validate_dlite_checkpoint(
                     "DLite checkpoint %s was built for a %d-layer target, %s has %d layers",
                     directory, cfg.target_num_layers, where, n,
                 )
+    check_weights_file(directory)  # safetensors header: complete, names, shapes, dtypes
     return directory, cfg
 
 
