@@ -23,9 +23,7 @@ import json
 import os
 import random
 import re
-import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
