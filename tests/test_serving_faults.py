@@ -1,0 +1,91 @@
+"""The OpenAI server with DLite under load, client aborts, preemption, bad input and corrupted
+drafter checkpoints: ``benchmarks/serve_load.py`` on the shipped tiny models (loopback, CPU).
+
+Smaller than the benchmark's defaults so the suite stays short (64 concurrent streamed requests
+with tools per round, prompts up to the 1,024-token context, 25% aborted, a KV pool of half what the
+requests need at once, a warm-up and two measured rounds), same checks:
+
+* every completed stream equals the greedy reply of a server without speculation, token for token,
+  and every aborted stream is a prefix of it; no 5xx; the server stays up; vLLM preempted;
+* after each round no request is left running or waiting and the KV cache is empty;
+* resident memory of the server's process tree grows < 5% after the warm-up round;
+* empty messages, an invalid tool schema, a huge max_tokens, a prompt over the context limit and a
+  non-JSON body get the same status and error type as without speculation, and the server answers
+  a good request afterwards;
+* a truncated drafter checkpoint makes ``vllm serve`` exit non-zero at start-up with an error
+  naming the file (missing tensor, wrong dtype, wrong shape: the same check, in
+  ``test_vllm_integration.test_bad_config_errors``; all four through ``vllm serve`` in the benchmark).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import DRAFTER_DIR, REPO  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (DRAFTER_DIR / "model.safetensors").exists(), reason="no shipped drafter"),
+]
+
+REQUESTS, ROUNDS, ABORT = 64, 2, 0.25
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve-load")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/serve_load.py"), "--out", str(out),
+                           "--requests", str(REQUESTS), "--rounds", str(ROUNDS), "--abort-fraction", str(ABORT),
+                           "--max-model-len", "1024", "--max-tokens", "24", "--corrupt", "truncated"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    results = out / "results.json"
+    assert results.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(results.read_text())
+    data["_returncode"], data["_stdout"] = proc.returncode, proc.stdout[-3000:]
+    return data
+
+
+def test_no_mismatch_no_5xx_server_up(report):
+    load = report["load"]
+    assert len(load["rounds"]) == ROUNDS + 1
+    for r in load["rounds"]:
+        assert r["alive"]
+        assert r["sent"] == REQUESTS and r["aborted"] >= 0.2 * REQUESTS
+        assert r["completed"] + r["aborted"] == REQUESTS, r["errors"]
+        assert (r["mismatches"], r["prefix_mismatches"]) == (0, 0)
+        assert not r["errors"]
+    assert max(report["settings"]["prompt_tokens"]) + report["settings"]["max_tokens"] > 0.9 * 1024
+    assert load["preemptions"] > 0, "the KV pool did not force preemption"
+    assert load["spec_decode"]["vllm:spec_decode_num_drafts_total"] > 0
+
+
+def test_requests_freed_and_memory_flat(report):
+    for r in report["load"]["rounds"]:
+        g = r["idle_gauges"]
+        assert g["num_requests_running"] == 0 and g["num_requests_waiting"] == 0 and g["kv_cache_usage_perc"] == 0
+    assert report["load"]["rss_growth_after_warmup"] < 0.05
+
+
+def test_bad_input_gets_vllms_normal_errors(report):
+    bad = report["bad_input"]
+    for name in ("empty_messages", "invalid_tool_schema", "huge_max_tokens", "prompt_over_context", "not_json"):
+        assert bad[name]["same"], bad[name]
+        assert 400 <= bad[name]["dlite_status"] < 500, bad[name]
+    assert bad["served_after"] == {"alive": True, "answered_identically": True}
+
+
+def test_corrupted_checkpoint_fails_startup_naming_the_file(report):
+    corrupt = report["corrupt_checkpoint"]
+    assert set(corrupt) == {"truncated"}
+    for how, c in corrupt.items():
+        assert c["returncode"] not in (0, None) and c["names_file"], (how, c)
+
+
+def test_no_failures_reported(report):
+    assert report["failures"] == [] and report["_returncode"] == 0, report["_stdout"]
