@@ -11,9 +11,11 @@ Contract (loopback only; bounded by ``--requests``, ``--rounds`` and the timeout
    always in); greedy, streamed, ``return_token_ids`` on so outputs compare token for token.
 2. **Reference**: a server WITHOUT speculation answers every request once (streamed, no abort).
 3. **Load**: a server WITH DLite and a KV pool of ``--kv-blocks`` blocks of ``--block-size`` tokens
-   (by default a quarter of what the concurrent requests need at once: vLLM must queue and
-   preempt) gets all requests at once per round, a warm-up round and then ``--rounds`` rounds. In each round a seeded ``--abort-fraction`` of the
-   streams is closed by the client after a random number of chunks. Checked per round: every
+   (by default room for two max-length requests) that admits requests by
+   their first prefill chunk (``--no-scheduler-reserve-full-isl``, chunks of
+   ``--max-num-batched-tokens``), so vLLM over-commits and must preempt, gets all requests at
+   once per round: a warm-up round, then ``--rounds`` rounds. In each round a seeded
+   ``--abort-fraction`` of the streams is closed by the client after a random number of tokens. Checked per round: every
    completed stream equals the reference token for token, every aborted stream's tokens are a
    prefix of it, no 5xx, the server is alive, and once the round ends vLLM reports no running or
    waiting request and an empty KV cache (aborted requests freed). Resident memory of the server's
@@ -79,7 +81,7 @@ def build_requests(workloads: list[str], tokenizer, n: int, max_model_len: int, 
 
 
 async def stream_chat(session, url: str, body: dict, model: str, abort_after: int | None) -> dict:
-    """One streamed chat completion; ``abort_after`` chunks then the client closes the stream."""
+    """One streamed chat completion; after ``abort_after`` tokens the client closes the stream."""
     import aiohttp
 
     out = dict(status=None, token_ids=[], chunks=0, aborted=False, finish_reason=None, error=None)
@@ -98,7 +100,7 @@ async def stream_chat(session, url: str, body: dict, model: str, abort_after: in
                     out["token_ids"].extend(choice.get("token_ids") or [])
                     out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
                 out["chunks"] += 1
-                if abort_after is not None and out["chunks"] >= abort_after and out["finish_reason"] is None:
+                if abort_after is not None and len(out["token_ids"]) >= abort_after and out["finish_reason"] is None:
                     out["aborted"] = True
                     resp.close()  # drops the connection: the server must abort the request
                     return out
@@ -227,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV block size of both servers (small blocks make decoding allocate often, so a small "
                          "pool preempts; vLLM's CPU backend needs a multiple of 32)")
     ap.add_argument("--kv-blocks", type=int, default=0,
-                    help="KV pool of the DLite server in blocks (default: a quarter of what the requests need "
-                         "at once, at least two max-length requests)")
+                    help="KV pool of the DLite server in blocks (default: room for two max-length requests, "
+                         "a small fraction of what the concurrent requests need)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512,
+                    help="prefill chunk / step token budget of both servers (long prompts take several steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=900, help="per round")
     ap.add_argument("--corrupt", default=",".join(CORRUPTIONS),
@@ -252,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     requests = build_requests(args.workload, tok, args.requests, args.max_model_len, args.max_tokens)
     bs = args.block_size
     need_blocks = sum(-(-(r["prompt_tokens"] + args.max_tokens) // bs) for r in requests)
-    kv_blocks = args.kv_blocks or max(need_blocks // 4, 2 * -(-args.max_model_len // bs))
+    kv_blocks = args.kv_blocks or 2 * -(-args.max_model_len // bs)
     spec = {"method": "dlite", "model": args.drafter, "num_speculative_tokens": args.k}
     common = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--enable-auto-tool-choice",
               "--tool-call-parser", "hermes", "--max-num-seqs", str(args.requests), "--seed", str(args.seed),
-              "--block-size", str(bs)]
+              "--block-size", str(bs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(target=args.target, drafter=args.drafter, k=args.k, temperature=0.0, requests=len(requests),
@@ -286,14 +290,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[dlite] server with DLite, KV pool {kv_blocks} blocks", flush=True)
     rng = random.Random(args.seed)
     rounds = []
-    dlite_flags = [*common, "--num-gpu-blocks-override", str(kv_blocks), "--speculative-config", json.dumps(spec)]
+    # admit requests by their first prefill chunk, not their whole prompt: the small pool over-commits
+    # and vLLM must preempt running requests (with the default it would only queue them)
+    dlite_flags = [*common, "--num-gpu-blocks-override", str(kv_blocks), "--no-scheduler-reserve-full-isl",
+                   "--speculative-config", json.dumps(spec)]
     with VLLMServer(args.target, *dlite_flags, env=env, log_path=args.out / "dlite.log") as server:
         with RssSampler(server) as rss:
             preempted = 0.0
             for rnd in range(args.rounds + 1):
+                # abort after a random number of received tokens, early enough that the stream is
+                # still open (the last chunk of a speculative step carries up to K + 1 tokens)
                 n_abort = round(args.abort_fraction * len(requests))
-                aborts = {i: rng.randint(1, max(1, args.max_tokens // 2))
-                          for i in rng.sample(range(len(requests)), n_abort)}
+                abortable = [i for i, ref_out in enumerate(reference) if len(ref_out["token_ids"]) > args.k + 2]
+                aborts = {i: rng.randint(1, len(reference[i]["token_ids"]) - args.k - 2)
+                          for i in rng.sample(abortable, min(n_abort, len(abortable)))}
                 t0 = time.time()
                 outs = asyncio.run(run_round(server.base_url, args.target, requests, aborts, args.timeout_s))
                 wall = time.time() - t0

@@ -2,8 +2,9 @@
 drafter checkpoints: ``benchmarks/serve_load.py`` on the shipped tiny models (loopback, CPU).
 
 Smaller than the benchmark's defaults so the suite stays short (64 concurrent streamed requests
-with tools per round, prompts up to the 1,024-token context, 25% aborted, a KV pool of half what the
-requests need at once, a warm-up and two measured rounds), same checks:
+with tools per round, prompts up to the 1,024-token context, 25% aborted, a KV pool with room for two
+max-length requests that admits requests by their first prefill chunk, a warm-up and two measured
+rounds), same checks:
 
 * every completed stream equals the greedy reply of a server without speculation, token for token,
   and every aborted stream is a prefix of it; no 5xx; the server stays up; vLLM preempted;

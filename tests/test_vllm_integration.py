@@ -107,6 +107,19 @@ def test_installed_version_is_supported():
     assert plugin.installed_vllm_version() == vllm.__version__
 
 
+def test_cpu_thread_binding_gives_each_rank_its_own_cores(monkeypatch):
+    from vllm_dlite.vllm.replay_engine import cpu_thread_binding
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert cpu_thread_binding(2) == "0|1"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert cpu_thread_binding(2) == "0-7|8-15"
+    assert cpu_thread_binding(4) == "0-3|4-7|8-11|12-15"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {3})
+    with pytest.raises(ValueError, match="needs one core per rank"):
+        cpu_thread_binding(2)
+
+
 # =========================================================================== config time
 def _target_dict(models):
     return H.target_config(models.target)
