@@ -17,8 +17,10 @@ Contract:
   ``output_tokens_per_s`` = generated tokens / wall time of the replay; ``mean_itl_ms`` = mean over
   requests of (last - first token time) / (tokens - 1); ``kv_pool_tokens`` = the target's KV pool;
 * draft cost against context length: every draft round is timed inside vLLM's model runner
-  (``DraftTimer``); rounds of the concurrency-1 run are grouped by the request's context length
-  (nearest of 1k / 4k / 16k tokens on a log scale) and the median is reported;
+  (``DraftTimer``: the whole runner call and the drafter's own ``propose``); the steady-state
+  rounds (after a verification) of the concurrency-1 run are grouped by the request's context
+  length (nearest of 1k / 4k / 16k tokens on a log scale) and the medians are reported (rounds
+  after a prefill chunk separately: there vLLM concatenates the whole chunk's aux hidden states);
 * at temperature 0 every method's outputs must equal ``none``'s (``identical_to_none``);
 * a method that cannot run here (no drafter checkpoint, missing package) is reported with the
   reason in ``results.json`` and the table, never silently dropped.
@@ -77,9 +79,8 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
             print(f"[{method}] failed at concurrency {c}: {exc!r}", flush=True)
             return {"status": "failed", "reason": f"concurrency {c}: {exc!r}"}
         per_concurrency[c] = res
-        if c == min(args.concurrency):
-            draft_rounds = [(t, ctx) for t, n, ctx in res["draft_rounds"] if n == 1] or \
-                [(t, ctx) for t, n, ctx in res["draft_rounds"]]
+        if c == min(args.concurrency):  # DraftRound tuples: seconds, drafter_seconds, n, context, verifying
+            draft_rounds = [d for d in res["draft_rounds"] if d[2] == 1] or list(res["draft_rounds"])
         r = res["summary"]
         print(f"[{method}] concurrency {c}: tau {r['tau'] if r['tau'] is None else round(r['tau'], 3)}, "
               f"{r['output_tokens_per_s']:.1f} tok/s, ITL {r['mean_itl_ms']:.1f} ms, {r['wall_s']:.0f} s",
@@ -87,9 +88,17 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
     first = per_concurrency[min(args.concurrency)]["summary"]
     draft_ms = {}
     for b in CONTEXT_BUCKETS:
-        times = [t for t, ctx in draft_rounds if context_bucket(ctx) == b]
-        if times:
-            draft_ms[str(b)] = {"median_ms": 1000 * statistics.median(times), "rounds": len(times)}
+        rounds = [d for d in draft_rounds if context_bucket(d[3]) == b]
+        steady = [d for d in rounds if d[4]]  # rounds after a verification (decode)
+        if steady:
+            draft_ms[str(b)] = {
+                "median_ms": 1000 * statistics.median(d[0] for d in steady),
+                "drafter_median_ms": 1000 * statistics.median(d[1] for d in steady),
+                "rounds": len(steady),
+                "after_prefill_median_ms": 1000 * statistics.median(d[0] for d in rounds if not d[4])
+                if len(steady) < len(rounds) else None,
+                "after_prefill_rounds": len(rounds) - len(steady),
+            }
     return {
         "status": "ok", **{k: v for k, v in first.items() if k != "method"},
         "by_concurrency": {str(c): {k: res["summary"][k] for k in ("tau", "output_tokens_per_s", "mean_itl_ms",
@@ -109,19 +118,21 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
              f"tensor parallel {settings.get('tensor_parallel_size', 1)}.", "",
              "| method | tau | per-position acceptance | "
              + " | ".join(f"tok/s @{c}" for c in concurrency)
-             + " | ITL ms @1 | KV pool tokens | draft ms @1k / 4k / 16k | identical to none |",
-             "|" + " --- |" * (7 + len(concurrency))]
+             + " | ITL ms @1 | KV pool tokens | draft round ms @1k / 4k / 16k | drafter alone ms | "
+            "identical to none |",
+             "|" + " --- |" * (8 + len(concurrency))]
     for m, r in results.items():
         if r["status"] != "ok":
-            lines.append(f"| {m} | {r['status']}: {r['reason']} |" + " |" * (6 + len(concurrency)))
+            lines.append(f"| {m} | {r['status']}: {r['reason']} |" + " |" * (7 + len(concurrency)))
             continue
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         pos = " ".join(f"{p:.2f}" for p in r["tau_per_position"]) or "-"
         tps = " | ".join(f"{r['by_concurrency'][str(c)]['output_tokens_per_s']:.1f}" for c in concurrency)
-        dm = " / ".join(f"{r['draft_ms_by_context'][str(b)]['median_ms']:.2f}"
-                        if str(b) in r["draft_ms_by_context"] else "-" for b in CONTEXT_BUCKETS)
+        by_ctx = r["draft_ms_by_context"]
+        dm, alone = (" / ".join(f"{by_ctx[str(b)][key]:.2f}" if str(b) in by_ctx else "-" for b in CONTEXT_BUCKETS)
+                     for key in ("median_ms", "drafter_median_ms"))
         lines.append(f"| {m} | {tau} | {pos} | {tps} | {r['mean_itl_ms']:.1f} | {r['kv_pool_tokens']:,} | "
-                     f"{dm} | {r.get('identical_to_none', '-')} |")
+                     f"{dm} | {alone} | {r.get('identical_to_none', '-')} |")
     lines += ["", f"Command: `{settings['command']}`", ""]
     path.write_text("\n".join(lines))
 

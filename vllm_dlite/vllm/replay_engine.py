@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 METHODS = ("none", "ngram", "suffix", "eagle3", "dflash", "dlite")
 
@@ -165,13 +166,16 @@ class DraftTimer:
     """Times every draft round inside vLLM's V1 model runner (in-process engine only:
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), whatever the method.
 
-    Wraps ``GPUModelRunner.propose_draft_token_ids`` (the CPU runner inherits it); each record is
-    ``(seconds, num_requests, longest context in tokens)`` of one round. On CUDA the device is
-    synchronised around the call so the time is the draft's, not a launch's.
+    Wraps ``GPUModelRunner.propose_draft_token_ids`` (the CPU runner inherits it) and, inside it,
+    the drafter's own ``propose``. Each record is a :class:`DraftRound`. ``verifying`` rounds follow
+    a target step that verified drafts (steady-state decoding); the others follow a prefill chunk,
+    where vLLM's runner first concatenates the aux hidden states of every scheduled token (it grows
+    with the chunk) and the drafts of a partial chunk are discarded. On CUDA the device is
+    synchronised around each call so the time is the draft's, not a launch's.
     """
 
     def __init__(self):
-        self.records: list[tuple[float, int, int]] = []
+        self.records: list[DraftRound] = []
         self._original = None
 
     def __enter__(self) -> "DraftTimer":
@@ -187,11 +191,29 @@ class DraftTimer:
             batch = runner.input_batch
             n = batch.num_reqs
             context = int(batch.num_tokens_no_spec[:n].max()) if n else 0
+            # (scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+            #  sample_hidden_states, aux_hidden_states, spec_decode_metadata, ...)
+            spec_metadata = kwargs.get("spec_decode_metadata", args[6] if len(args) > 6 else None)
+            drafter, inner = getattr(runner, "drafter", None), [0.0]
+            propose = getattr(drafter, "propose", None)
+            if propose is not None:
+                def timed_propose(*a, **kw):
+                    t = time.perf_counter()
+                    try:
+                        return propose(*a, **kw)
+                    finally:
+                        sync()
+                        inner[0] += time.perf_counter() - t
+                drafter.propose = timed_propose
             sync()
             t0 = time.perf_counter()
-            out = original(runner, *args, **kwargs)
-            sync()
-            records.append((time.perf_counter() - t0, n, context))
+            try:
+                out = original(runner, *args, **kwargs)
+                sync()
+            finally:
+                if propose is not None:
+                    del drafter.propose  # back to the class's method
+            records.append(DraftRound(time.perf_counter() - t0, inner[0], n, context, spec_metadata is not None))
             return out
 
         GPUModelRunner.propose_draft_token_ids = timed
@@ -201,6 +223,14 @@ class DraftTimer:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         GPUModelRunner.propose_draft_token_ids = self._original
+
+
+class DraftRound(NamedTuple):
+    seconds: float          # the whole runner call: input preparation + the drafter + bookkeeping
+    drafter_seconds: float  # the drafter's own propose()
+    num_requests: int
+    context: int            # longest context in the batch, tokens
+    verifying: bool         # the target step verified drafts (steady-state decode round)
 
 
 def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
