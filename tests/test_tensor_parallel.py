@@ -8,8 +8,8 @@ Shipped tiny target + DLite drafter, fp32, K = 7, greedy, the 16 held-out turns 
 * every rank drafts alone from the all-reduced (full-width) aux hidden states and a full copy of
   the vocabulary-parallel embedding / lm_head, so TP=2 drafts as TP=1 does: same number of drafts,
   same accepted tokens per position, hence the same tau;
-* ``vllm serve --tensor-parallel-size 2`` with DLite answers a chat completion with tools and
-  counts drafts in ``/metrics`` (``examples/serve_dlite.py``).
+* ``examples/serve_dlite.py --tensor-parallel-size 2``: ``vllm serve`` with DLite answers a chat
+  completion with tools (valid JSON arguments) and counts drafts in ``/metrics``.
 """
 
 from __future__ import annotations
@@ -66,4 +66,9 @@ def test_serve_with_tensor_parallel_2(tmp_path):
     report = json.loads(out.read_text())
     assert "--tensor-parallel-size" in report["command"]
     assert report["usage"]["completion_tokens"] > 0
-    assert report["spec_decode"]["vllm:spec_decode_num_drafts_total"] > 0
+    assert report["content"] or report["tool_calls"]
+    for call in report["tool_calls"]:
+        json.loads(call["arguments"])
+    counters = report["spec_decode"]
+    assert counters["vllm:spec_decode_num_drafts_total"] > 0
+    assert "vllm:spec_decode_num_accepted_tokens_total" in counters
