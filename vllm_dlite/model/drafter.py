@@ -517,7 +517,10 @@ def check_weights_file(path: Union[str, Path]) -> DLiteConfig:
         if dtype not in _WEIGHT_DTYPES:
             problems.append(f"tensor '{name}' has dtype {dtype}, expected one of {list(_WEIGHT_DTYPES)}")
     if problems:
-        raise CheckpointError(f"{weights_file} does not match its {CONFIG_FILE}: " + "; ".join(problems))
+        raise CheckpointError(
+            f"{weights_file} does not match its {CONFIG_FILE}: " + "; ".join(problems)
+            + "; copy the checkpoint again or re-export it with DLiteDrafter.save_pretrained"
+        )
     return config
 
 
