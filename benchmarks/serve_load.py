@@ -45,8 +45,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from vllm_dlite.eval.faults import CHECKPOINT_FAULTS, damage_weights  # noqa: E402
+
 BAD_INPUTS = ("empty_messages", "invalid_tool_schema", "huge_max_tokens", "prompt_over_context", "not_json")
-CORRUPTIONS = ("truncated", "missing_tensor", "wrong_dtype", "wrong_shape")
 
 
 # ----------------------------------------------------------------------------- requests
@@ -191,24 +192,10 @@ def wait_idle(server, timeout_s: float = 60) -> dict:
 
 
 def corrupt(src: Path, dst: Path, how: str) -> Path:
-    from safetensors.torch import load_file, save_file
-
+    """A copy of the drafter at ``dst`` whose weights file is damaged ``how``."""
     shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
-    if how == "truncated":
-        data = f.read_bytes()
-        f.write_bytes(data[: len(data) * 2 // 3])
-        return f
-    tensors = load_file(str(f))
-    name = sorted(tensors)[0]
-    if how == "missing_tensor":
-        tensors.pop(name)
-    elif how == "wrong_dtype":
-        tensors[name] = tensors[name].to(dtype=__import__("torch").int32)
-    elif how == "wrong_shape":
-        tensors[name] = tensors[name].reshape(-1)[:-1].clone()
-    save_file(tensors, str(f))
-    return f
+    damage_weights(dst / "model.safetensors", how)
+    return dst / "model.safetensors"
 
 
 # ----------------------------------------------------------------------------- main
@@ -235,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill chunk / step token budget of both servers (long prompts take several steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=900, help="per round")
-    ap.add_argument("--corrupt", default=",".join(CORRUPTIONS),
-                    help=f"corrupted-checkpoint start-ups to try, comma-separated from {','.join(CORRUPTIONS)} "
+    ap.add_argument("--corrupt", default=",".join(CHECKPOINT_FAULTS),
+                    help=f"corrupted-checkpoint start-ups to try, comma-separated from {','.join(CHECKPOINT_FAULTS)} "
                          "('' for none)")
     args = ap.parse_args(argv)
     if not 0 <= args.abort_fraction < 1:
@@ -244,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 1 or args.rounds < 1:
         ap.error("--requests and --rounds must be >= 1")
     corruptions = [c for c in args.corrupt.split(",") if c]
-    if set(corruptions) - set(CORRUPTIONS):
-        ap.error(f"--corrupt: unknown {sorted(set(corruptions) - set(CORRUPTIONS))}; choose from {CORRUPTIONS}")
+    if set(corruptions) - set(CHECKPOINT_FAULTS):
+        ap.error(f"--corrupt: unknown {sorted(set(corruptions) - set(CHECKPOINT_FAULTS))}; choose from {CHECKPOINT_FAULTS}")
 
     from transformers import AutoTokenizer
 

@@ -29,12 +29,6 @@ def spec_decode_counters(server) -> dict[str, float]:
     return {k: v for k, v in server.metrics().items() if k.startswith("vllm:spec_decode")}
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
@@ -62,11 +56,10 @@ def main() -> None:
              "--tool-call-parser", "hermes", "--speculative-config", json.dumps(spec)]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     if args.tensor_parallel_size > 1:
-        from vllm_dlite.vllm.replay_engine import cpu_thread_binding
+        from vllm_dlite.vllm.replay_engine import tensor_parallel_env
 
         flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-        if not _has_cuda():  # vLLM's CPU workers need one core group per rank
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(args.tensor_parallel_size)
+        env.update(tensor_parallel_env(args.tensor_parallel_size))  # CPU: one core group per rank
     server = VLLMServer(args.target, *flags, env=env, timeout_s=args.timeout_s)
     print("+", " ".join(server.command[:-1]), f"'{server.command[-1]}'", flush=True)
     try:

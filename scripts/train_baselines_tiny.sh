@@ -34,11 +34,10 @@ if [ ! -f "$TARGET/model.safetensors" ]; then
   exit 1
 fi
 
-# 1. on-policy data (identical settings to configs/dlite-tiny.yaml, so DLite reuses the file)
+# 1. on-policy data: DLite's own file, regenerated from configs/dlite-tiny.yaml when missing (one
+#    recipe, so the baselines and DLite always train on the same sequences)
 if [ ! -f "$DATA.meta.json" ]; then
-  "$PY" -m vllm_dlite.train.data --target "$TARGET" --out "$DATA" \
-    --kinds agentic=32 code=400 chat=400 --split train --seed 1 \
-    --max-len 4096 --max-new-tokens 512 --max-turns-per-session 8
+  "$PY" -m vllm_dlite.train --config configs/dlite-tiny.yaml --sequences "$DATA" --only-data
 fi
 
 # 2. target features once (resumable), 3. train + export each baseline

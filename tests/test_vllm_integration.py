@@ -35,6 +35,7 @@ vllm = pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 
+from vllm_dlite.eval.faults import CHECKPOINT_FAULTS, damage_weights  # noqa: E402
 from vllm_dlite.vllm import plugin  # noqa: E402
 
 NUM_PROMPTS = 32
@@ -120,6 +121,21 @@ def test_cpu_thread_binding_gives_each_rank_its_own_cores(monkeypatch):
         cpu_thread_binding(2)
 
 
+def test_tensor_parallel_env_pins_cpu_ranks_once(monkeypatch):
+    """Engine and server take their CPU core groups from the same helper; a binding that already
+    lists one group per rank is the user's and is kept."""
+    from vllm_dlite.vllm.replay_engine import tensor_parallel_env
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert tensor_parallel_env(1) == {}
+    assert tensor_parallel_env(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")
+    assert tensor_parallel_env(2) == {}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert tensor_parallel_env(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
 # =========================================================================== config time
 def _target_dict(models):
     return H.target_config(models.target)
@@ -182,27 +198,6 @@ def _copy_ckpt(src: Path, dst: Path, edit=None) -> Path:
     return dst
 
 
-def _rewrite_tensors(path: Path, edit) -> None:
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(path))
-    edit(tensors)
-    save_file(tensors, str(path))
-
-
-def _truncate(path: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) - 100])
-
-
-CORRUPTIONS = {  # ways a drafter checkpoint's model.safetensors gets damaged in practice
-    "truncated_weights": _truncate,
-    "missing_tensor": lambda p: _rewrite_tensors(p, lambda t: t.pop("norm.weight")),
-    "wrong_dtype": lambda p: _rewrite_tensors(p, lambda t: t.update({"norm.weight": t["norm.weight"].int()})),
-    "wrong_shape": lambda p: _rewrite_tensors(p, lambda t: t.update({"norm.weight": t["norm.weight"][:3]})),
-}
-
-
 def _set_dlite(key, value):
     def edit(cfg):
         cfg["dlite_config"][key] = value
@@ -220,10 +215,10 @@ def _set_dlite(key, value):
         ("layers_outside", ValueError, "reads target layers [7]"),
         ("k_too_large", ValueError, "exceeds the DLite drafter's block size"),
         ("no_model", ValueError, 'needs "model"'),
-        ("truncated_weights", ValueError, "is truncated"),
+        ("truncated", ValueError, "is truncated"),
         ("missing_tensor", ValueError, "missing tensors ['norm.weight']"),
         ("wrong_dtype", ValueError, "has dtype I32"),
-        ("wrong_shape", ValueError, "has shape (3,)"),
+        ("wrong_shape", ValueError, "tensor 'norm.weight' has shape ("),
     ],
 )
 def test_bad_config_errors(models, tmp_path, case, error, needle):
@@ -251,15 +246,15 @@ def test_bad_config_errors(models, tmp_path, case, error, needle):
         spec = dlite(models.drafter, num_speculative_tokens=H.BLOCK_K + 1)
     elif case == "no_model":
         spec = {"method": "dlite"}
-    elif case in CORRUPTIONS:
+    elif case in CHECKPOINT_FAULTS:
         d = _copy_ckpt(models.drafter, tmp_path / "d")
-        CORRUPTIONS[case](d / "model.safetensors")
+        damage_weights(d / "model.safetensors", case, tensor="norm.weight")
         spec = dlite(d)
     with pytest.raises(error) as err:
         plugin.prepare_speculative_config(spec, cfg)
     assert needle in str(err.value), str(err.value)
     assert "\n" not in str(err.value)
-    if case in CORRUPTIONS:
+    if case in CHECKPOINT_FAULTS:
         assert str(tmp_path / "d" / "model.safetensors") in str(err.value)
 
 

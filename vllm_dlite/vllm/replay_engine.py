@@ -99,19 +99,28 @@ def cpu_thread_binding(tensor_parallel_size: int) -> str:
     return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
 
 
+def tensor_parallel_env(tensor_parallel_size: int) -> dict[str, str]:
+    """Environment a vLLM engine or server with ``tensor_parallel_size`` workers needs here: on CPU
+    with TP > 1, ``VLLM_CPU_OMP_THREADS_BIND`` with one core group per rank (unless the current
+    value already lists one entry per rank); nothing on a GPU or at TP = 1."""
+    from vllm.platforms import current_platform
+
+    if tensor_parallel_size <= 1 or not current_platform.is_cpu():
+        return {}
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if binding.count("|") == tensor_parallel_size - 1:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tensor_parallel_size)}
+
+
 def build_llm(target: str | Path, spec: dict | None, *, dtype: str = "float32", max_model_len: int = 32768,
               seed: int = 0, max_num_seqs: int = 16, **engine_kwargs):
     """``vllm.LLM`` with the settings every method shares. On CPU with ``tensor_parallel_size > 1``
     it pins each rank to its own cores unless ``VLLM_CPU_OMP_THREADS_BIND`` already lists one
     entry per rank."""
     from vllm import LLM
-    from vllm.platforms import current_platform
 
-    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
-    if tp > 1 and current_platform.is_cpu():
-        binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-        if binding.count("|") != tp - 1:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp)
+    os.environ.update(tensor_parallel_env(int(engine_kwargs.get("tensor_parallel_size", 1) or 1)))
     return LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, seed=seed,
                max_num_seqs=max_num_seqs, speculative_config=spec, disable_log_stats=False,
                **engine_kwargs)
