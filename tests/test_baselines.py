@@ -53,6 +53,25 @@ def trained(tiny):
     return {m: _train(tiny, m) for m in ("eagle3", "dflash", "dspark")}
 
 
+@pytest.mark.parametrize("shape", [(48, 96), (96, 48)])
+def test_cpu_muon_orthogonalisation_matches_torch(shape):
+    """The fp32 stand-in for torch.optim.Muon's bf16 Newton-Schulz step (CPU only) computes the
+    same update, up to bf16 rounding."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _zeropower_via_newtonschulz
+
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    coeffs = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+    ours = B._newton_schulz_fp32(g, coeffs, 5, 1e-7)
+    ref = _zeropower_via_newtonschulz(g, coeffs, 5, 1e-7).float()
+    assert ours.shape == g.shape and ours.dtype == g.dtype
+    assert (ours - ref).norm() / ref.norm() < 0.02
+    with B.cpu_safe_speculators():  # patched in while speculators trains, restored after
+        import torch.optim._muon as muon
+
+        assert muon._zeropower_via_newtonschulz is B._newton_schulz_fp32
+    assert muon._zeropower_via_newtonschulz is _zeropower_via_newtonschulz
+
+
 def test_default_layer_ids():
     assert B.default_layer_ids("eagle3", 12) == [2, 6, 11]
     assert B.default_layer_ids("dflash", 12) == [1, 3, 5, 8, 10, 12]

@@ -121,6 +121,18 @@ def test_cpu_thread_binding_gives_each_rank_its_own_cores(monkeypatch):
         cpu_thread_binding(2)
 
 
+def test_draft_rounds_after_a_prefill_chunk_are_not_steady_state():
+    """vLLM 0.32 passes spec-decode metadata on prefill steps too; the schedule tells them apart."""
+    from types import SimpleNamespace as NS
+
+    from vllm_dlite.vllm.replay_engine import is_decode_step
+
+    assert is_decode_step(NS(num_scheduled_tokens={"a": 8, "b": 1}, scheduled_spec_decode_tokens={"a": [1] * 7}))
+    assert not is_decode_step(NS(num_scheduled_tokens={"a": 4089}, scheduled_spec_decode_tokens={}))
+    assert not is_decode_step(NS(num_scheduled_tokens={"a": 8, "b": 512}, scheduled_spec_decode_tokens={"a": [1] * 7}))
+    assert not is_decode_step(NS(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}))
+
+
 def test_tensor_parallel_env_pins_cpu_ranks_once(monkeypatch):
     """Engine and server take their CPU core groups from the same helper; a binding that already
     lists one group per rank is the user's and is kept."""

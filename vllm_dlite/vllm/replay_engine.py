@@ -171,16 +171,27 @@ def run_replay(llm, method: str, prompts: list[list[int]], *, max_tokens: int, t
     )
 
 
+def is_decode_step(scheduler_output) -> bool:
+    """Every request of the step is decoding: scheduled exactly its last sampled token plus its
+    drafts (none when the drafter proposed nothing), so no prefill chunk is in the batch."""
+    scheduled = scheduler_output.num_scheduled_tokens  # req id -> tokens this step
+    drafts = scheduler_output.scheduled_spec_decode_tokens  # req id -> draft token ids
+    return bool(scheduled) and all(n == 1 + len(drafts.get(r, ())) for r, n in scheduled.items())
+
+
 class DraftTimer:
     """Times every draft round inside vLLM's V1 model runner (in-process engine only:
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), whatever the method.
 
     Wraps ``GPUModelRunner.propose_draft_token_ids`` (the CPU runner inherits it) and, inside it,
     the drafter's own ``propose``. Each record is a :class:`DraftRound`. ``verifying`` rounds follow
-    a target step that verified drafts (steady-state decoding); the others follow a prefill chunk,
-    where vLLM's runner first concatenates the aux hidden states of every scheduled token (it grows
-    with the chunk) and the drafts of a partial chunk are discarded. On CUDA the device is
-    synchronised around each call so the time is the draft's, not a launch's.
+    a target step in which every request was decoding (it was scheduled its last token plus its
+    drafts): steady state. The others follow a step in which some request prefilled a chunk; there
+    vLLM's runner first concatenates the aux hidden states of every scheduled token (a cost that
+    grows with the chunk, ~4k tokens per chunk here) and the drafts of a partial chunk are
+    discarded. vLLM 0.32 passes ``spec_decode_metadata`` on prefill steps too, so the schedule, not
+    that argument, tells the two apart. On CUDA the device is synchronised around each call so the
+    time is the draft's, not a launch's.
     """
 
     def __init__(self):
@@ -200,9 +211,8 @@ class DraftTimer:
             batch = runner.input_batch
             n = batch.num_reqs
             context = int(batch.num_tokens_no_spec[:n].max()) if n else 0
-            # (scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-            #  sample_hidden_states, aux_hidden_states, spec_decode_metadata, ...)
-            spec_metadata = kwargs.get("spec_decode_metadata", args[6] if len(args) > 6 else None)
+            scheduler_output = kwargs.get("scheduler_output", args[0] if args else None)
+            decoding = is_decode_step(scheduler_output)
             drafter, inner = getattr(runner, "drafter", None), [0.0]
             propose = getattr(drafter, "propose", None)
             if propose is not None:
@@ -222,7 +232,7 @@ class DraftTimer:
             finally:
                 if propose is not None:
                     del drafter.propose  # back to the class's method
-            records.append(DraftRound(time.perf_counter() - t0, inner[0], n, context, spec_metadata is not None))
+            records.append(DraftRound(time.perf_counter() - t0, inner[0], n, context, decoding))
             return out
 
         GPUModelRunner.propose_draft_token_ids = timed
@@ -239,7 +249,7 @@ class DraftRound(NamedTuple):
     drafter_seconds: float  # the drafter's own propose()
     num_requests: int
     context: int            # longest context in the batch, tokens
-    verifying: bool         # the target step verified drafts (steady-state decode round)
+    verifying: bool         # every request of the step was decoding (steady state), see is_decode_step
 
 
 def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
