@@ -9,7 +9,7 @@ demo: setup                    ## DLite vs no speculation on held-out agentic re
 	$(PY) examples/offline_generate.py
 
 test: setup                    ## the whole suite, slow end-to-end tests included (CI runs this)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: setup               ## skip the slow end-to-end tests
 	$(PY) -m pytest -q -m "not slow" tests

@@ -109,6 +109,33 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
     }
 
 
+SAME_RUN_KEYS = ("workload", "target", "k", "temperature", "max_tokens", "dtype", "seed", "concurrency",
+                 "tensor_parallel_size", "num_requests", "prompt_tokens_min", "prompt_tokens_max", "max_model_len",
+                 "device")
+
+
+def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dict, dict]:
+    """``--merge``: the results and greedy outputs of OUT's earlier run for the methods not run now;
+    refuses (exits) when that run used other settings, since its figures would not be comparable."""
+    res_path, out_path = out / "results.json", out / "outputs.json"
+    if not res_path.is_file():
+        return {}, {}
+    old = json.loads(res_path.read_text())
+    diff = {k: (old["settings"].get(k), settings.get(k)) for k in SAME_RUN_KEYS
+            if old["settings"].get(k) != settings.get(k)}
+    if diff:
+        raise SystemExit(f"--merge: {res_path} was measured with other settings {diff}; "
+                         "rerun every method, or write to another --out")
+    outputs = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    keep = [m for m in old["methods"] if m not in methods]
+    return ({m: old["methods"][m] for m in keep},
+            {m: {int(c): o for c, o in outputs[m].items()} for m in keep if m in outputs})
+
+
+def kept_drafters(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())["settings"].get("drafters", {})
+
+
 def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[int]) -> None:
     lines = [f"# A/B: {Path(settings['workload']).name}", "",
              f"target `{settings['target']}`, K={settings['k']}, temperature {settings['temperature']}, "
@@ -193,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated max_num_seqs levels")
     ap.add_argument("--max-prompt-tokens", type=int, default=16384, help="skip longer prompts")
     ap.add_argument("--max-requests", type=int, default=0, help="keep N requests spread evenly (0: all)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the methods already in OUT/results.json that are not in --methods, when they "
+                         "were measured with the same settings and requests (e.g. add a newly trained drafter)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="shard the target over N workers (on CPU each rank is pinned to its own cores; "
                          "draft times are not recorded then: the drafter runs in the workers)")
@@ -240,17 +270,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(settings), flush=True)
 
+    kept, kept_outputs = previous_results(args.out, settings, methods) if args.merge else ({}, {})
     t0 = time.time()
     results = {m: run_method(args, m, prompts, getattr(args, m, None)) for m in methods}
-    base = results.get("none", {}).get("_outputs")
+    outputs = {**kept_outputs, **{m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}}
+    results = {m: results.get(m) or kept[m] for m in METHODS if m in results or m in kept}
+    base = outputs.get("none")
     for m, r in results.items():
-        outputs = r.pop("_outputs", None)
-        if base and outputs and m != "none" and args.temperature == 0:
-            r["identical_to_none"] = all(outputs[c] == base[c] for c in outputs if c in base)
+        if base and m in outputs and m != "none" and args.temperature == 0:
+            r["identical_to_none"] = all(outputs[m][c] == base[c] for c in outputs[m] if c in base)
     settings["wall_s"] = round(time.time() - t0, 1)
+    if kept:
+        settings["merged_from_earlier_run"] = sorted(kept)
+        settings["drafters"] = {**kept_drafters(args.out), **settings["drafters"]}
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(dict(settings=settings, methods=results), indent=2) + "\n")
+    (args.out / "outputs.json").write_text(json.dumps(outputs) + "\n")
     write_markdown(args.out / "results.md", settings, results, args.concurrency)
     notes = write_plots(args.out, results, args.concurrency)
     print((args.out / "results.md").read_text())

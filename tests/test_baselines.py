@@ -180,3 +180,27 @@ def test_vllm_serves_baselines_greedy_identical(tiny, trained):
         del llm
         assert got == expected, method
         assert drafts > 0, f"{method}: vLLM never drafted"
+
+
+@pytest.mark.parametrize("method", B.SERVABLE_ON_CPU)
+def test_shipped_baseline_is_what_vllm_expects(method):
+    """The shipped EAGLE-3 / DFlash drafters for the tiny target (the A/B baselines) pass vLLM's
+    config-time checks with the shipped target, read only target layers that exist, and carry the
+    K of the benchmarks and no copy of the target's embedding or LM head."""
+    from paths import REPO, TARGET_DIR
+    from safetensors import safe_open
+    from vllm.engine.arg_utils import EngineArgs
+
+    out = REPO / "models" / f"{method}-qwen3-tiny-stdlib"
+    if not (out / "model.safetensors").is_file():
+        pytest.skip(f"no shipped {method} drafter")
+    cfg = json.loads((out / "config.json").read_text())
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or cfg.get("aux_hidden_state_layer_ids")
+    assert ids == B.default_layer_ids(method, 12)
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert not set(B.SHARED_TARGET_KEYS) & set(f.keys())
+    config = EngineArgs(model=str(TARGET_DIR), dtype="float32", max_model_len=1024,
+                        speculative_config=B.vllm_speculative_config(method, out, K)).create_engine_config()
+    assert config.speculative_config.num_speculative_tokens == K
+    assert config.speculative_config.method == method
