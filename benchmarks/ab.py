@@ -132,6 +132,11 @@ def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dic
             {m: {int(c): o for c, o in outputs[m].items()} for m in keep if m in outputs})
 
 
+def earlier_commands(out: Path) -> list[str]:
+    old = json.loads((out / "results.json").read_text())["settings"]
+    return [*old.get("earlier_commands", []), old["command"]]
+
+
 def kept_drafters(out: Path) -> dict:
     return json.loads((out / "results.json").read_text())["settings"].get("drafters", {})
 
@@ -161,6 +166,8 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
         lines.append(f"| {m} | {tau} | {pos} | {tps} | {r['mean_itl_ms']:.1f} | {r['kv_pool_tokens']:,} | "
                      f"{dm} | {alone} | {r.get('identical_to_none', '-')} |")
     lines += ["", f"Command: `{settings['command']}`", ""]
+    for earlier in settings.get("earlier_commands", []):
+        lines += [f"Merged from an earlier run with the same settings: `{earlier}`", ""]
     path.write_text("\n".join(lines))
 
 
@@ -282,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     settings["wall_s"] = round(time.time() - t0, 1)
     if kept:
         settings["merged_from_earlier_run"] = sorted(kept)
+        settings["earlier_commands"] = earlier_commands(args.out)
         settings["drafters"] = {**kept_drafters(args.out), **settings["drafters"]}
 
     args.out.mkdir(parents=True, exist_ok=True)
