@@ -35,9 +35,11 @@ def speculative_config(method: str, k: int, drafter: str | Path | None = None) -
                 "prompt_lookup_max": 5}
     if method == "suffix":
         try:
-            import arctic_inference  # noqa: F401  (vLLM's suffix decoding backend)
+            import arctic_inference.suffix_decoding  # noqa: F401  (vLLM's suffix decoding backend)
         except ImportError as exc:
-            raise MethodUnavailable(f"suffix decoding needs the arctic-inference package ({exc})") from None
+            raise MethodUnavailable(
+                f"suffix decoding needs the arctic-inference package ({exc}); PyPI has only its source "
+                "archive: build and install it with bash scripts/install_suffix_decoding.sh") from None
         return {"method": "suffix", "num_speculative_tokens": k}
     if method in ("eagle3", "dflash", "dlite"):
         if drafter is None or not Path(drafter).is_dir():
