@@ -480,3 +480,30 @@ def test_one_command_trains_a_drafter_for_another_local_qwen3(tmp_path):
     assert list(report["stages"]) == ["teacher", "warmup", "stable"]
     assert report["data"]["num_sequences"] > 0
     assert report["offline_eval"]["overall"]["tau"] >= 1.0
+
+
+def test_wait_for_file_survives_the_file_vanishing(tmp_path, monkeypatch):
+    """A non-main rank may see rank 0's stale ready-file, which rank 0 then deletes before writing
+    it again: the wait goes on (CI once failed here with FileNotFoundError)."""
+    import os
+    import pathlib
+
+    from vllm_dlite.train.trainer import wait_for_file
+
+    ready = tmp_path / "data.ready"
+    ready.write_text("stale\n")
+    os.utime(ready, (0, 0))
+    looks = []
+    real_stat = pathlib.Path.stat
+
+    def stat(self, *a, **k):
+        looks.append(self)
+        if len(looks) == 2:  # rank 0 deleted the stale file just now
+            raise FileNotFoundError(self)
+        if len(looks) == 3:  # ... and wrote the fresh one
+            ready.write_text("ok\n")
+        return real_stat(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    wait_for_file(ready, newer_than=1000.0, poll_s=0.0)
+    assert len(looks) == 3

@@ -322,8 +322,14 @@ def barrier(info: DistInfo) -> None:
 
 def wait_for_file(path: Path, newer_than: float = 0.0, poll_s: float = 2.0) -> None:
     """Non-main ranks wait (without a collective, which could time out during a long data
-    regeneration) for rank 0 to (re)write ``path``."""
-    while not (path.exists() and path.stat().st_mtime >= newer_than):
+    regeneration) for rank 0 to (re)write ``path``. Rank 0 deletes a stale copy before rewriting
+    it, so the file may vanish between two looks; that is waiting, not an error."""
+    while True:
+        try:
+            if path.stat().st_mtime >= newer_than:
+                return
+        except FileNotFoundError:
+            pass
         time.sleep(poll_s)
 
 
