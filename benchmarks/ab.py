@@ -114,12 +114,12 @@ SAME_RUN_KEYS = ("workload", "target", "k", "temperature", "max_tokens", "dtype"
                  "device")
 
 
-def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dict, dict]:
-    """``--merge``: the results and greedy outputs of OUT's earlier run for the methods not run now;
-    refuses (exits) when that run used other settings, since its figures would not be comparable."""
+def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dict, dict, dict]:
+    """``--merge``: the results and greedy outputs of OUT's earlier run for the methods not run now,
+    and that run's settings; refuses (exits) when they differ, since its figures would not compare."""
     res_path, out_path = out / "results.json", out / "outputs.json"
     if not res_path.is_file():
-        return {}, {}
+        return {}, {}, {}
     old = json.loads(res_path.read_text())
     diff = {k: (old["settings"].get(k), settings.get(k)) for k in SAME_RUN_KEYS
             if old["settings"].get(k) != settings.get(k)}
@@ -129,16 +129,8 @@ def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dic
     outputs = json.loads(out_path.read_text()) if out_path.is_file() else {}
     keep = [m for m in old["methods"] if m not in methods]
     return ({m: old["methods"][m] for m in keep},
-            {m: {int(c): o for c, o in outputs[m].items()} for m in keep if m in outputs})
-
-
-def earlier_commands(out: Path) -> list[str]:
-    old = json.loads((out / "results.json").read_text())["settings"]
-    return [*old.get("earlier_commands", []), old["command"]]
-
-
-def kept_drafters(out: Path) -> dict:
-    return json.loads((out / "results.json").read_text())["settings"].get("drafters", {})
+            {m: {int(c): o for c, o in outputs[m].items()} for m in keep if m in outputs},
+            old["settings"])
 
 
 def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[int]) -> None:
@@ -277,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(settings), flush=True)
 
-    kept, kept_outputs = previous_results(args.out, settings, methods) if args.merge else ({}, {})
+    kept, kept_outputs, earlier = previous_results(args.out, settings, methods) if args.merge else ({}, {}, {})
     t0 = time.time()
     results = {m: run_method(args, m, prompts, getattr(args, m, None)) for m in methods}
     outputs = {**kept_outputs, **{m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}}
@@ -289,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     settings["wall_s"] = round(time.time() - t0, 1)
     if kept:
         settings["merged_from_earlier_run"] = sorted(kept)
-        settings["earlier_commands"] = earlier_commands(args.out)
-        settings["drafters"] = {**kept_drafters(args.out), **settings["drafters"]}
+        settings["earlier_commands"] = [*earlier.get("earlier_commands", []), earlier["command"]]
+        settings["drafters"] = {**earlier.get("drafters", {}), **settings["drafters"]}
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(dict(settings=settings, methods=results), indent=2) + "\n")

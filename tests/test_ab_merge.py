@@ -24,10 +24,10 @@ def _earlier_run(out: Path) -> None:
 
 def test_merge_keeps_earlier_methods_not_rerun(tmp_path):
     _earlier_run(tmp_path / "run")
-    kept, outputs = ab.previous_results(tmp_path / "run", dict(SETTINGS), ["eagle3", "dlite"])
+    kept, outputs, earlier = ab.previous_results(tmp_path / "run", dict(SETTINGS), ["eagle3", "dlite"])
     assert list(kept) == ["none"]  # dlite is measured again, so its old figures are dropped
     assert outputs == {"none": {1: [[5, 6]]}}  # concurrency keys back to int, as in a fresh run
-    assert ab.earlier_commands(tmp_path / "run") == [SETTINGS["command"]]
+    assert earlier["command"] == SETTINGS["command"]  # named in the merged run's results
 
 
 def test_merge_refuses_other_settings(tmp_path):
@@ -37,4 +37,4 @@ def test_merge_refuses_other_settings(tmp_path):
 
 
 def test_merge_into_an_empty_directory_runs_everything(tmp_path):
-    assert ab.previous_results(tmp_path, dict(SETTINGS), ["none"]) == ({}, {})
+    assert ab.previous_results(tmp_path, dict(SETTINGS), ["none"]) == ({}, {}, {})
