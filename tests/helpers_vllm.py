@@ -6,11 +6,10 @@ Everything here is small enough for a 2-core CPU:
   byte-level BPE tokenizer with the project's special tokens, ``<|mask|>`` included). The init
   scale is larger than HF's default so greedy argmaxes are decisive (no near-ties that numeric
   noise between batch shapes could flip).
-* :func:`make_random_drafter` writes a random DLite checkpoint (``w_out`` non-zero so the sequential
-  head matters) through the teammate's ``DLiteDrafter.save_pretrained``.
-* :func:`make_copy_drafter` writes a DLite checkpoint that drafts ``[x_t, x_t, ..., x_t]`` (the
-  anchor repeated) for a tied-embedding target: every layer's residual branch is zeroed and the
-  sequential head feeds the previous token's embedding into the hidden state with a large gain.
+* :func:`make_random_drafter` writes a random dlite_v1 checkpoint in the authors' layout
+  (``DLiteDrafter.save_pretrained``).
+* :func:`make_copy_drafter` writes a dlite_v1 checkpoint that drafts ``[x_a, x_a, ..., x_a]`` (the
+  anchor repeated) for a tied-embedding target, through the sequential head alone.
   Random targets fall into repetition loops under greedy decoding, so this drafter gets real
   acceptances (exercises the accept/bookkeeping path, not just rejections).
 * :func:`hf_features` computes the features vLLM should serve (aux id i = residual after i decoder
@@ -150,12 +149,11 @@ def _dlite_config(target_dir: Path, **overrides):
 
     t = target_config(target_dir)
     values = dict(
-        num_feature_layers=t["num_hidden_layers"],
+        num_feature_layers=min(4, t["num_hidden_layers"]),
         mask_token_id=mask_token_id(target_dir),
-        target_name=str(target_dir),
-        block_size=BLOCK_K,
-        num_layers=1,
-        head_rank=8,
+        block_size=BLOCK_K + 1,  # counts the anchor: K = BLOCK_K drafts
+        num_hidden_layers=1,
+        sequential_rank=8,
     )
     values.update(overrides)
     return DLiteConfig.for_target(t, **values)
@@ -164,37 +162,46 @@ def _dlite_config(target_dir: Path, **overrides):
 def make_random_drafter(
     directory: Path, target_dir: Path, *, seed: int = 1, std: float = 0.2, **overrides
 ) -> Path:
-    """Random DLite checkpoint for ``target_dir`` (all target layers as features)."""
+    """Random dlite_v1 checkpoint for ``target_dir`` (authors' layout, fp32 on disk)."""
     from vllm_dlite.model import DLiteDrafter
 
     torch.manual_seed(seed)
-    cfg = _dlite_config(target_dir, **overrides)
-    drafter = DLiteDrafter.from_config(cfg)
+    drafter = DLiteDrafter(_dlite_config(target_dir, **overrides))
     with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if p.dim() >= 2 or name == "depth_embedding":
+        for p in drafter.parameters():
+            if p.dim() >= 2:
                 p.normal_(0.0, std)
-    drafter.save_pretrained(directory, target_config(target_dir))
+    drafter.save_pretrained(directory, target_config(target_dir), dtype=torch.float32)
     return Path(directory)
 
 
-def make_copy_drafter(directory: Path, target_dir: Path, *, gain: float = 50.0) -> Path:
-    """DLite checkpoint drafting the anchor K times (needs a tied-embedding target)."""
+def make_copy_drafter(directory: Path, target_dir: Path, *, gain: float = 0.3, **overrides) -> Path:
+    """dlite_v1 checkpoint drafting ``[x_a, x_a, ...]`` (needs a tied-embedding target): the
+    head's gate is shut (``s = tanh(c)``), ``c = P[t]`` with ``P = gain * E`` (rank r = H),
+    the readout passes the state through and ``W_o = E``, so ``logits ~ gain * E E[t]``, whose
+    argmax is ``t`` for the random target's embedding."""
+    from safetensors.torch import load_file
+
     from vllm_dlite.model import DLiteDrafter
 
     t = target_config(target_dir)
     assert t.get("tie_word_embeddings"), "the copy drafter needs lm_head == embed_tokens"
     H = t["hidden_size"]
-    cfg = _dlite_config(target_dir, head_rank=H)
-    drafter = DLiteDrafter.from_config(cfg)
+    weights = load_file(str(Path(target_dir) / "model.safetensors"))
+    E = weights["model.embed_tokens.weight"].float()  # [V, H]
+    drafter = DLiteDrafter(_dlite_config(target_dir, sequential_rank=H, **overrides))
+    head = drafter.sequential_head
     with torch.no_grad():
-        for layer in drafter.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        drafter.head.w_in.copy_(0.05 * torch.eye(H))
-        drafter.head.w_state.zero_()
-        drafter.head.w_out.copy_(gain * torch.eye(H))
-    drafter.save_pretrained(directory, t)
+        head.prev_token_embedding.weight.copy_(gain * E[: drafter.config.vocab_size])
+        head.state_proj.weight.zero_()
+        head.state_proj.weight[H:, H:].copy_(torch.eye(H))  # c = e
+        head.state_proj.bias.zero_()
+        head.state_proj.bias[:H].fill_(-30.0)  # gate z -> sigmoid 0: s = tanh(c)
+        head.state_hidden_mlp.weight.zero_()
+        head.state_hidden_mlp.weight[:, :H].copy_(torch.eye(H))  # o = s
+        head.state_hidden_mlp.bias.zero_()
+        head.output_proj.weight.copy_(E[: drafter.config.vocab_size])
+    drafter.save_pretrained(directory, t, dtype=torch.float32)
     return Path(directory)
 
 
@@ -312,12 +319,16 @@ def run_llm(
     original = DFlashDLiteDraftModel.propose_drafts
     if record:
 
-        def recording(self, features, anchor_ids, temperatures=None, num_tokens=None, return_logits=False):
-            ids, logits = original(self, features, anchor_ids, temperatures, num_tokens, return_logits)
+        def recording(self, features, group_ids, group_lens=None, temperatures=None, num_tokens=None,
+                      return_logits=False):
+            ids, logits = original(self, features, group_ids, group_lens, temperatures, num_tokens,
+                                   return_logits)
             records.append(
                 {
                     "features": features.detach().float().cpu().clone(),
-                    "anchors": anchor_ids.detach().long().cpu().clone(),
+                    "group_ids": group_ids.detach().long().cpu().clone(),
+                    "group_lens": None if group_lens is None else group_lens.detach().cpu().clone(),
+                    "anchors": group_ids[:, -1].detach().long().cpu().clone(),
                     "drafts": ids.detach().cpu().clone(),
                     "temperatures": None if temperatures is None else temperatures.detach().float().cpu().clone(),
                     "logits": None if logits is None else logits.detach().cpu().clone(),

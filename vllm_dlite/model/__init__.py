@@ -1,23 +1,24 @@
-"""DLite in plain PyTorch (no vLLM import): the history-free drafter and the training teacher."""
+"""DLite (format ``dlite_v1``) in plain PyTorch, no vLLM import: the drafter and its checkpoints.
+The training teacher lives in :mod:`vllm_dlite.model.teacher` (training only)."""
 
-from vllm_dlite.model.drafter import (
+from vllm_dlite.model.checkpoint import (
     CheckpointError,
-    DLiteBase,
-    DLiteDrafter,
-    DraftOutput,
-    check_weights_file,
+    check_checkpoint,
     load_drafter,
     read_checkpoint_config,
+    resolve_checkpoint_dir,
+    save_pretrained,
 )
-from vllm_dlite.model.teacher import HistoryTeacher
+from vllm_dlite.model.drafter import DLiteDrafter, DraftOutput, split_by_group_len
 
 __all__ = [
     "CheckpointError",
-    "DLiteBase",
     "DLiteDrafter",
     "DraftOutput",
-    "HistoryTeacher",
-    "check_weights_file",
+    "check_checkpoint",
     "load_drafter",
     "read_checkpoint_config",
+    "resolve_checkpoint_dir",
+    "save_pretrained",
+    "split_by_group_len",
 ]

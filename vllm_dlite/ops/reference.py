@@ -1,20 +1,15 @@
-"""PyTorch reference implementations of DLite's two per-round ops.
+"""PyTorch reference implementations of DLite's two per-round ops (format ``dlite_v1``).
 
-These are the specification a CUDA kernel must match (same signatures, shapes and semantics);
-call them through :mod:`vllm_dlite.ops` so that a dispatcher can swap in the kernel later.
+These are the specification the CUDA kernels in ``csrc/`` must match (same signatures, shapes and
+semantics); call them through :mod:`vllm_dlite.ops` so the dispatcher can pick a kernel.
 
-Notation: B requests, K block size (= num_speculative_tokens), L feature elements (L target layers
-in "sequence" mode, 1 in "feature" mode), Hq / Hkv query / key-value heads (GQA, Hq % Hkv == 0),
-D head dim, H draft width, r head rank, V vocabulary size.
+Notation: b requests, L context slots (target layers), Q query slots (g real tokens then B-1 mask
+slots), K = B-1 drafted tokens, h_q / h_kv query / key-value heads (GQA), D head dim, H width,
+r head rank, V vocabulary.
 
-RoPE convention (Qwen3 / HF "rotate-half"): for a position p,
-``inv_freq[j] = theta ** (-2j / D)`` for ``j < D/2``,
-``cos = cat(cos(p*inv_freq), cos(p*inv_freq))`` (same for sin),
-``rope(x) = x * cos + rotate_half(x) * sin``,
-``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``.
-
-Local positions of one DLite round: the L feature elements all sit at position 0, block offset i
-(0 = anchor, 1..K-1 = mask placeholders) at position 1 + i.
+RoPE (Qwen3 / HF "rotate-half"): ``inv_freq[j] = theta ** (-2j / D)``,
+``cos = cat(cos(p * inv_freq), cos(p * inv_freq))`` (same for sin), computed in fp32 and cast to
+the activation dtype before rotating (as HF does), ``rope(x) = x * cos + rotate_half(x) * sin``.
 """
 
 from __future__ import annotations
@@ -35,15 +30,12 @@ def rope_cos_sin(
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables ``(cos, sin)``, each ``[P, D]``, for ``positions`` (an int P means 0..P-1).
-
-    Angles are computed in float64 so that large absolute positions (the training teacher) keep
-    full fp32 accuracy. Positions may be negative.
-    """
+    Angles in fp32 (HF's ``Qwen3RotaryEmbedding``), then cast to ``dtype``."""
     if isinstance(positions, int):
         positions = torch.arange(positions, device=device)
-    pos = positions.to(device=device, dtype=torch.float64).reshape(-1)  # [P]
-    inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float64) / head_dim
+    pos = positions.to(device=device, dtype=torch.float32).reshape(-1)  # [P]
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.int64).float() / head_dim)
     )  # [D/2]
     angles = pos[:, None] * inv_freq[None, :]  # [P, D/2]
     angles = torch.cat([angles, angles], dim=-1)  # [P, D]
@@ -56,222 +48,195 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin``; cos/sin must broadcast against x."""
+    """``x * cos + rotate_half(x) * sin`` in ``x.dtype``; cos/sin must broadcast against x."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
 # ------------------------------------------------------------------------------ draft attention
 def draft_attention(
     q: torch.Tensor,
-    k_feat: torch.Tensor,
-    v_feat: torch.Tensor,
-    k_block: torch.Tensor,
-    v_block: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    k_q: torch.Tensor,
+    v_q: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Non-causal attention of the K block queries over ``[feature elements ; block]``.
+    """Bidirectional attention of the Q query slots over ``[context ; query]`` (no mask).
 
     Args:
-        q:       ``[B, K, Hq, D]`` block queries (after q-norm, BEFORE RoPE).
-        k_feat:  ``[B, L, Hkv, D]`` keys of the feature elements (after k-norm, before RoPE);
-                 all at local position 0.
-        v_feat:  ``[B, L, Hkv, D]`` values of the feature elements.
-        k_block: ``[B, K, Hkv, D]`` keys of the block (after k-norm, before RoPE); offset i at
-                 local position 1 + i.
-        v_block: ``[B, K, Hkv, D]`` values of the block.
-        cos/sin: ``[K+1, D]`` RoPE tables for local positions 0..K (:func:`rope_cos_sin`).
-        scale:   softmax scale (normally ``D ** -0.5``).
+        q:       ``[b, Q, h_q, D]`` queries of the query slots (q-normed, BEFORE RoPE).
+        k_ctx:   ``[b, L, h_kv, D]`` keys of the context slots (k-normed, before RoPE).
+        v_ctx:   ``[b, L, h_kv, D]`` values of the context slots.
+        k_q:     ``[b, Q, h_kv, D]`` keys of the query slots (k-normed, before RoPE).
+        v_q:     ``[b, Q, h_kv, D]`` values of the query slots.
+        cos/sin: ``[L+Q, D]`` RoPE rows of ``[context ; query]`` in that order (context rows all
+                 hold the context position, query rows positions 0..Q-1; see the drafter).
+        scale:   softmax scale (``D ** -0.5``).
 
     Returns:
-        ``[B, K, Hq, D]`` in ``q.dtype``. Query head h reads key/value head ``h // (Hq // Hkv)``.
-        RoPE, scores, softmax and the weighted sum are computed in fp32. No mask: every query sees
-        all ``L + K`` keys. Each request is independent of the others in the batch.
+        ``[b, Q, h_q, D]`` in ``q.dtype``. Query head h reads key/value head ``h // (h_q/h_kv)``.
+        RoPE, scores and softmax run in ``q.dtype`` (HF SDPA semantics). Requests are independent.
     """
-    B, K, Hq, D = q.shape
-    L, Hkv = k_feat.shape[1], k_feat.shape[2]
-    if k_feat.shape != (B, L, Hkv, D) or v_feat.shape != k_feat.shape:
-        raise ValueError(
-            f"k_feat/v_feat must be [B={B}, L, Hkv, D={D}], got "
-            f"{tuple(k_feat.shape)} / {tuple(v_feat.shape)}"
-        )
-    if k_block.shape != (B, K, Hkv, D) or v_block.shape != k_block.shape:
-        raise ValueError(
-            f"k_block/v_block must be [B={B}, K={K}, Hkv={Hkv}, D={D}], got "
-            f"{tuple(k_block.shape)} / {tuple(v_block.shape)}"
-        )
+    b, Q, Hq, D = q.shape
+    L, Hkv = k_ctx.shape[1], k_ctx.shape[2]
+    if k_ctx.shape != (b, L, Hkv, D) or v_ctx.shape != k_ctx.shape:
+        raise ValueError(f"k_ctx/v_ctx must be [b={b}, L, h_kv, D={D}], got "
+                         f"{tuple(k_ctx.shape)} / {tuple(v_ctx.shape)}")
+    if k_q.shape != (b, Q, Hkv, D) or v_q.shape != k_q.shape:
+        raise ValueError(f"k_q/v_q must be [b={b}, Q={Q}, h_kv={Hkv}, D={D}], got "
+                         f"{tuple(k_q.shape)} / {tuple(v_q.shape)}")
     if Hq % Hkv:
-        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    if cos.shape != (K + 1, D) or sin.shape != (K + 1, D):
-        raise ValueError(
-            f"cos/sin must be [K+1={K + 1}, D={D}], got {tuple(cos.shape)} / {tuple(sin.shape)}"
-        )
-
-    cos = cos.float()
-    sin = sin.float()
-    cos_feat, sin_feat = cos[0][None, None, None, :], sin[0][None, None, None, :]  # position 0
-    cos_block, sin_block = cos[1:][None, :, None, :], sin[1:][None, :, None, :]  # positions 1..K
-
-    q_rot = apply_rope(q.float(), cos_block, sin_block)  # [B, K, Hq, D]
-    keys = torch.cat(
-        [
-            apply_rope(k_feat.float(), cos_feat, sin_feat),
-            apply_rope(k_block.float(), cos_block, sin_block),
-        ],
-        dim=1,
-    )  # [B, L+K, Hkv, D]
-    values = torch.cat([v_feat.float(), v_block.float()], dim=1)  # [B, L+K, Hkv, D]
+        raise ValueError(f"h_q={Hq} must be a multiple of h_kv={Hkv}")
+    if cos.shape != (L + Q, D) or sin.shape != (L + Q, D):
+        raise ValueError(f"cos/sin must be [L+Q={L + Q}, D={D}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    cos4, sin4 = cos[None, :, None, :], sin[None, :, None, :]  # [1, L+Q, 1, D]
+    keys = apply_rope(torch.cat([k_ctx, k_q], dim=1), cos4, sin4)  # [b, L+Q, h_kv, D]
+    values = torch.cat([v_ctx, v_q], dim=1)  # [b, L+Q, h_kv, D]
+    q_rot = apply_rope(q, cos4[:, L:], sin4[:, L:])  # [b, Q, h_q, D]
     group = Hq // Hkv
-    keys = keys.repeat_interleave(group, dim=2)  # [B, L+K, Hq, D]
-    values = values.repeat_interleave(group, dim=2)
-
     out = F.scaled_dot_product_attention(
-        q_rot.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
-    )  # [B, Hq, K, D]
-    return out.transpose(1, 2).to(q.dtype)
+        q_rot.transpose(1, 2),
+        keys.repeat_interleave(group, dim=2).transpose(1, 2),
+        values.repeat_interleave(group, dim=2).transpose(1, 2),
+        scale=scale,
+    )  # [b, h_q, Q, D]
+    return out.transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------ sequential head
-def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
-def _head_logits(
-    h_tilde: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor, eps: float
+def head_state_update(
+    state: torch.Tensor, token_ids: torch.Tensor, prev_token_embedding: torch.Tensor,
+    state_proj_weight: torch.Tensor, state_proj_bias: torch.Tensor,
 ) -> torch.Tensor:
-    """``lm_head(rmsnorm(h~))`` -> fp32 logits. The vocab matmul runs in lm_head's dtype."""
-    normed = _rms_norm_fp32(h_tilde, norm_weight, eps).to(lm_head_weight.dtype)
-    return F.linear(normed, lm_head_weight).float()
+    """Phi(s, t): ``e = P[t]``, ``[z ; c] = W_s [s ; e] + b_s``,
+    ``s' = sigmoid(z) * s + (1 - sigmoid(z)) * tanh(c)``. ``state [b, r]`` -> ``[b, r]``."""
+    r = state.shape[-1]
+    e = F.embedding(token_ids, prev_token_embedding)  # [b, r]
+    zc = F.linear(torch.cat([state, e], dim=-1), state_proj_weight, state_proj_bias)  # [b, 2r]
+    gate = torch.sigmoid(zc[..., :r])
+    return gate * state + (1 - gate) * torch.tanh(zc[..., r:])
+
+
+def head_readout(
+    state: torch.Tensor, d: torch.Tensor, hidden_mlp_weight: torch.Tensor,
+    hidden_mlp_bias: torch.Tensor, output_proj_weight: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """``o = W_f [s ; d] + b_f`` (``[.., r]``), then ``logits = W_o o`` (``[.., V]``); with
+    ``output_proj_weight=None`` returns ``o`` (a trainer can project in chunks)."""
+    o = F.linear(torch.cat([state, d], dim=-1), hidden_mlp_weight, hidden_mlp_bias)
+    return o if output_proj_weight is None else F.linear(o, output_proj_weight)
 
 
 def sequential_head(
-    h: torch.Tensor,
+    d: torch.Tensor,
     anchor_ids: torch.Tensor,
-    embed_weight: torch.Tensor,
-    w_in: torch.Tensor,
-    w_state: torch.Tensor,
-    w_out: torch.Tensor,
-    norm_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    eps: float,
+    prime_ids: Optional[torch.Tensor],
+    prev_token_embedding: torch.Tensor,
+    state_proj_weight: torch.Tensor,
+    state_proj_bias: torch.Tensor,
+    hidden_mlp_weight: torch.Tensor,
+    hidden_mlp_bias: torch.Tensor,
+    output_proj_weight: torch.Tensor,
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
-    forced_ids: Optional[torch.Tensor] = None,
+    num_steps: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-rank sequential head: drafts the K block tokens one after the other.
+    """Gated rank-r RNN head: drafts the block's tokens one after the other (DLITE_V1.md sec. 4)::
 
-    For block offset ``i = 0..K-1`` (``x_t`` = anchor, ``x_{t+i}`` = token drafted at step i-1)::
-
-        s_{-1} = 0
-        s_i    = tanh(w_state @ s_{i-1} + w_in @ E(x_{t+i}))      # g(s, e), rank r, no bias
-        h~_i   = h_i + w_out @ s_i
-        logits_i = lm_head(rmsnorm(h~_i; norm_weight, eps))
-        x_{t+i+1} = argmax(logits_i)            if temperature == 0
-                  ~ softmax(logits_i / T)        otherwise (torch.multinomial with ``generator``)
-
-    With ``w_out = 0`` (its initial value) the head equals the parallel backbone's
-    ``lm_head(norm(h_i))``.
+        s_0 = 0, or Phi(0, x_{a-1}) when prime_ids is given (G > 1)
+        for k = 1..k_max:  s_k = Phi(s_{k-1}, t_{k-1})   (t_0 = x_a, t_k = token drafted at k)
+                           logits_k = W_o (W_f [s_k ; d_k] + b_f)
+                           t_k = argmax(logits_k)              if temperature < GREEDY_EPS
+                               ~ softmax(fp32 logits_k / T)    otherwise (torch.multinomial)
 
     Args:
-        h:              ``[B, K, H]`` backbone output (pre final norm).
-        anchor_ids:     ``[B]`` int64 anchor tokens ``x_t``.
-        embed_weight:   ``[V', H]`` token embedding E (V' >= every id used).
-        w_in:           ``[r, H]``; w_state: ``[r, r]``; w_out: ``[H, r]`` (nn.Linear layout).
-        norm_weight:    ``[H]`` final RMSNorm weight.
-        lm_head_weight: ``[V, H]``.
-        eps:            RMSNorm epsilon.
-        temperature:    0 = greedy; > 0 samples from ``softmax(logits / temperature)``.
-        generator:      optional ``torch.Generator`` for sampling.
-        forced_ids:     optional ``[B, K]`` teacher forcing: step i>0 feeds ``forced_ids[:, i-1]``
-                        instead of the drafted token (column K-1 is unused). Drafted ids are still
-                        returned (the model's own choice at every position).
+        d:          ``[b, K, H]`` mask-slot outputs of the backbone (after the final norm).
+        anchor_ids: ``[b]`` int64 anchor tokens ``x_a``.
+        prime_ids:  ``[b]`` int64 ``x_{a-1}`` (G > 1) or None (zero initial state).
+        prev_token_embedding ``[V, r]``; state_proj ``[2r, 2r]`` + ``[2r]``;
+        hidden_mlp ``[r, r+H]`` + ``[r]``; output_proj ``[V, r]`` (the head's own tables).
+        num_steps:  run only the first ``k_max <= K`` steps (default K): later drafts would be
+                    thrown away, so they are not computed.
 
     Returns:
-        ``(draft_ids [B, K] int64, logits [B, K, V] fp32)``; logits are raw (before temperature),
-        so the draft distribution is ``softmax(logits / T)``. The recurrence and the norm run in
-        fp32; the vocab matmul runs in ``lm_head_weight.dtype``.
+        ``(draft_ids [b, k_max] int64, logits [b, k_max, V] fp32)``: raw logits (the draft
+        distribution of a sampled row is ``softmax(logits / T)``). The recurrence runs in the
+        dtype of the head's weights.
     """
-    B, K, H = h.shape
-    r = w_in.shape[0]
-    if anchor_ids.shape != (B,):
-        raise ValueError(f"anchor_ids must be [B={B}], got {tuple(anchor_ids.shape)}")
-    if forced_ids is not None and forced_ids.shape != (B, K):
-        raise ValueError(f"forced_ids must be [B={B}, K={K}], got {tuple(forced_ids.shape)}")
+    from vllm_dlite.config import GREEDY_EPS
+
+    b, K, _ = d.shape
+    k_max = K if num_steps is None else int(num_steps)
+    if not 0 <= k_max <= K:
+        raise ValueError(f"num_steps must be in 0..{K}, got {num_steps}")
+    if anchor_ids.shape != (b,) or (prime_ids is not None and prime_ids.shape != (b,)):
+        raise ValueError(f"anchor_ids / prime_ids must be [b={b}]")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    w_in32, w_state32, w_out32 = w_in.float(), w_state.float(), w_out.float()
-
-    state = h.new_zeros(B, r, dtype=torch.float32)  # s_{-1}
-    prev_ids = anchor_ids
+    r = prev_token_embedding.shape[1]
+    state = d.new_zeros(b, r, dtype=prev_token_embedding.dtype)
+    if prime_ids is not None:
+        state = head_state_update(state, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias)
+    prev = anchor_ids
     draft_ids, logits = [], []
-    for i in range(K):
-        emb = F.embedding(prev_ids, embed_weight).float()  # [B, H]
-        state = torch.tanh(state @ w_state32.T + emb @ w_in32.T)  # [B, r]
-        h_tilde = h[:, i].float() + state @ w_out32.T  # [B, H]
-        step_logits = _head_logits(h_tilde, norm_weight, lm_head_weight, eps)  # [B, V]
-        if temperature == 0.0:
-            step_ids = step_logits.argmax(dim=-1)
+    for k in range(k_max):
+        state = head_state_update(state, prev, prev_token_embedding, state_proj_weight, state_proj_bias)
+        step = head_readout(state, d[:, k].to(state.dtype), hidden_mlp_weight, hidden_mlp_bias,
+                            output_proj_weight).float()  # [b, V]
+        if temperature < GREEDY_EPS:
+            prev = step.argmax(dim=-1)
         else:
-            probs = torch.softmax(step_logits / temperature, dim=-1)
-            step_ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        draft_ids.append(step_ids)
-        logits.append(step_logits)
-        prev_ids = step_ids if forced_ids is None else forced_ids[:, i]
+            probs = torch.softmax(step / temperature, dim=-1)
+            prev = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        draft_ids.append(prev)
+        logits.append(step)
+    if not draft_ids:
+        return (anchor_ids.new_zeros(b, 0), d.new_zeros(b, 0, output_proj_weight.shape[0], dtype=torch.float32))
     return torch.stack(draft_ids, dim=1), torch.stack(logits, dim=1)
 
 
 def sequential_head_teacher_forced(
-    h: torch.Tensor,
+    d: torch.Tensor,
     anchor_ids: torch.Tensor,
+    prime_ids: Optional[torch.Tensor],
     forced_ids: torch.Tensor,
-    embed_weight: torch.Tensor,
-    w_in: torch.Tensor,
-    w_state: torch.Tensor,
-    w_out: torch.Tensor,
-    norm_weight: torch.Tensor,
-    lm_head_weight: Optional[torch.Tensor],
-    eps: float,
+    prev_token_embedding: torch.Tensor,
+    state_proj_weight: torch.Tensor,
+    state_proj_bias: torch.Tensor,
+    hidden_mlp_weight: torch.Tensor,
+    hidden_mlp_bias: torch.Tensor,
+    output_proj_weight: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """Training form of :func:`sequential_head`: teacher-forced, no sampling, differentiable.
-
-    Same recurrence with inputs ``[anchor, forced_ids[:, 0], ..., forced_ids[:, K-2]]``; since the
-    inputs are known, the K embeddings and their ``w_in`` projections are computed in one batch and
-    only the rank-r recurrence loops over K. Logits at offset i depend on ``forced_ids[:, :i]``
-    only (causal).
-
-    Args: as :func:`sequential_head`; ``forced_ids [B, K]`` = the block labels
-        ``x_{t+1..t+K}`` (column K-1 is not an input).
-        ``lm_head_weight=None`` returns the normalised hidden ``rmsnorm(h~)`` ``[B, K, H]`` fp32
-        instead of logits, so a trainer can apply the vocab projection + loss in chunks.
-
-    Returns:
-        ``logits [B, K, V]`` fp32 (or ``[B, K, H]`` fp32, see above).
-    """
-    B, K, H = h.shape
-    if anchor_ids.shape != (B,) or forced_ids.shape != (B, K):
-        raise ValueError(
-            f"anchor_ids must be [B={B}] and forced_ids [B={B}, K={K}], got "
-            f"{tuple(anchor_ids.shape)} / {tuple(forced_ids.shape)}"
-        )
-    inputs = torch.cat([anchor_ids[:, None], forced_ids[:, : K - 1]], dim=1)  # [B, K]
-    drive = F.embedding(inputs, embed_weight).float() @ w_in.float().T  # [B, K, r]
-    w_state32 = w_state.float()
-    state = drive.new_zeros(B, w_in.shape[0])  # s_{-1}
+    """Training form of :func:`sequential_head`: the RNN is fed ``x_a, forced_ids[:, 0], ...,
+    forced_ids[:, K-2]`` (the labels ``x_{a+1..a+K}``; the last column is not an input);
+    differentiable. Returns logits ``[b, K, V]`` fp32, or the readouts ``o [b, K, r]`` (head
+    dtype) when ``output_proj_weight`` is None. Step k depends on ``forced_ids[:, :k]`` only."""
+    b, K, _ = d.shape
+    if anchor_ids.shape != (b,) or forced_ids.shape != (b, K):
+        raise ValueError(f"anchor_ids must be [b={b}] and forced_ids [b={b}, K={K}], got "
+                         f"{tuple(anchor_ids.shape)} / {tuple(forced_ids.shape)}")
+    inputs = torch.cat([anchor_ids[:, None], forced_ids[:, : K - 1]], dim=1)  # [b, K]
+    r = prev_token_embedding.shape[1]
+    state = d.new_zeros(b, r, dtype=prev_token_embedding.dtype)
+    if prime_ids is not None:
+        state = head_state_update(state, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias)
     states = []
-    for i in range(K):
-        state = torch.tanh(state @ w_state32.T + drive[:, i])  # [B, r]
+    for k in range(K):
+        state = head_state_update(state, inputs[:, k], prev_token_embedding, state_proj_weight, state_proj_bias)
         states.append(state)
-    h_tilde = h.float() + torch.stack(states, dim=1) @ w_out.float().T  # [B, K, H]
-    if lm_head_weight is None:
-        return _rms_norm_fp32(h_tilde, norm_weight, eps)
-    return _head_logits(h_tilde, norm_weight, lm_head_weight, eps)
+    out = head_readout(torch.stack(states, dim=1), d.to(state.dtype), hidden_mlp_weight,
+                       hidden_mlp_bias, output_proj_weight)
+    return out if output_proj_weight is None else out.float()
 
 
 __all__ = [
     "apply_rope",
     "draft_attention",
+    "head_readout",
+    "head_state_update",
     "rope_cos_sin",
     "rotate_half",
     "sequential_head",

@@ -3,30 +3,24 @@
 vLLM builds it through its model registry and loader (``get_model``) like any draft model; it is a
 thin wrapper around :class:`vllm_dlite.model.DLiteDrafter`:
 
-* **Loading** goes through the one loader, :func:`vllm_dlite.model.load_drafter`, in
-  ``__init__`` (vLLM constructs the model on the target device and dtype). ``load_weights`` does
-  not read vLLM's weight iterator again; it reports every parameter as loaded.
-* **Embedding and lm_head are the target's** (tied or not): :meth:`bind_target_model`, called by
-  the proposer after the target is loaded, hands the target's ``embed_tokens.weight`` and
-  ``lm_head.weight`` to ``DLiteDrafter.bind_target`` (no copy). A checkpoint that carries its own
-  ``embed_tokens``/``lm_head`` keeps them.
-* **Tensor parallelism: every rank holds the whole drafter** (its own weights are replicated; they
-  are small) **and a full copy of the shared embedding / lm_head**, all-gathered once from the
-  target's vocabulary-parallel shards at load time and put back in token-id order with vLLM's
-  ``get_sharded_to_full_mapping``. Each rank then drafts alone from the same all-reduced aux
-  hidden states and the same anchors, so all ranks compute the same drafts with no collective
-  inside the K head steps (the fused sequential-head op needs the whole vocabulary for its argmax).
-  Cost: ``(1 - 1/TP)`` of each matrix extra per rank (Qwen3-8B, untied, bf16, TP=2: 0.62 GB per
-  matrix, 1.25 GB per rank); the README's "Tensor parallelism" section has the time trade-off.
-* **No vLLM ``Attention`` layers** are created, so vLLM allocates **no draft KV cache**: the
-  drafter's attention runs over ``[L target features ; K block elements]`` built afresh every
-  round (``vllm_dlite.ops.draft_attention``).
-* :meth:`propose_drafts` is what the DLite proposer (V1) and speculator (V2) call: one backbone
-  pass + K sequential-head steps for a batch of requests, greedy or sampled per request.
+* **Loading** goes through the one loader, :func:`vllm_dlite.model.load_drafter`, in ``__init__``
+  (vLLM constructs the model on the target device and dtype). ``load_weights`` does not read
+  vLLM's weight iterator again; it reports every parameter as loaded.
+* **Shared with the target**: its token embedding and its final norm (dlite_v1 never uses the
+  target's lm_head). :meth:`bind_target_model`, called by the proposer after the target is loaded,
+  hands them to ``DLiteDrafter.bind_target`` (no copy).
+* **Tensor parallelism: every rank holds the whole drafter** (replicated; it is small) **and a full
+  copy of the target's embedding**, all-gathered once from the vocabulary-parallel shards at load
+  time and put back in token-id order with vLLM's ``get_sharded_to_full_mapping``. Each rank then
+  drafts alone from the same all-reduced aux hidden states and the same tokens, so all ranks
+  compute the same drafts with no collective inside the head steps.
+* **No vLLM ``Attention`` layers** are created, so vLLM allocates **no draft KV cache**.
+* :meth:`propose_drafts` is what the V1 proposer and the V2 speculator call: one backbone pass +
+  k head steps for a batch, greedy or sampled per request, rows grouped by their number of real
+  tokens g (only differs at sequence start, when a+1 < G).
 
 ``forward``/``compute_logits``/``embed_input_ids`` exist because vLLM's model interface requires
-them; ``forward`` returns the parallel backbone output and ``compute_logits`` its logits WITHOUT the
-sequential head (use :meth:`propose_drafts` for drafting).
+them; drafting goes through :meth:`propose_drafts`.
 """
 
 from __future__ import annotations
@@ -38,22 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dlite.model import DLiteDrafter, load_drafter
-
-GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below are greedy
+from vllm_dlite.config import GREEDY_EPS
+from vllm_dlite.model import DLiteDrafter, load_drafter, resolve_checkpoint_dir, split_by_group_len
 
 
 class DFlashDLiteDraftModel(nn.Module):
     """DLite drafter as a vLLM model (registered as architecture ``DFlashDLiteDraftModel``)."""
 
-    # vLLM interface flags
     has_own_embed_tokens = False
     has_own_lm_head = False
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
-        from vllm_dlite.vllm.plugin import resolve_checkpoint_dir
-
         spec = vllm_config.speculative_config
         if spec is None or spec.draft_model_config is None:
             raise ValueError(
@@ -68,151 +58,118 @@ class DFlashDLiteDraftModel(nn.Module):
         self.dlite_config = self.drafter.config
         self.checkpoint_dir = directory
         self.prefix = prefix
-        self.has_own_embed_tokens = self.drafter.embed_tokens is not None
-        self.has_own_lm_head = self.drafter.lm_head is not None
-
-    # ------------------------------------------------------------------ sizes
-    @property
-    def block_size(self) -> int:
-        return self.dlite_config.block_size
-
-    @property
-    def num_feature_layers(self) -> int:
-        return self.dlite_config.num_feature_layers
-
-    @property
-    def target_hidden_size(self) -> int:
-        return self.dlite_config.target_hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.dlite_config.target_vocab_size
 
     # ------------------------------------------------------------------ target sharing
     def bind_target_model(self, target_model: nn.Module) -> None:
-        """Share the target's token embedding and lm_head (tied or not); no copies."""
+        """Share the target's token embedding (gathered under TP) and final norm; no copies."""
         lm = target_model.get_language_model() if hasattr(target_model, "get_language_model") else target_model
         inner = getattr(lm, "model", lm)
-        embed = getattr(inner, "embed_tokens", None)
-        if embed is None:
-            embed = getattr(inner, "embedding", None)
-        lm_head = getattr(lm, "lm_head", None)
-        embed_w = None if self.drafter.embed_tokens is not None else _full_weight(embed, "embed_tokens")
-        if self.drafter.lm_head is not None:
-            head_w = None
-        elif lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is getattr(embed, "weight", 0):
-            head_w = embed_w if embed_w is not None else _full_weight(lm_head, "lm_head")  # tied: gather once
-        else:
-            head_w = _full_weight(lm_head, "lm_head")
-        for name, w in (("embed_tokens", embed_w), ("lm_head", head_w)):
-            if w is not None and w.shape[0] < self.vocab_size:
-                raise ValueError(
-                    f"the target's {name} has {w.shape[0]} rows but the DLite drafter needs "
-                    f"{self.vocab_size} (target_vocab_size): the drafter was trained for a target "
-                    "with a larger vocabulary; use a drafter trained for this target"
-                )
-        self.drafter.bind_target(embed_w, head_w)
+        embed = getattr(inner, "embed_tokens", None) or getattr(inner, "embedding", None)
+        norm = getattr(inner, "norm", None)
+        embed_w = _full_weight(embed, "embed_tokens")
+        norm_w = _weight(norm, "final norm")
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if eps is None:
+            raise ValueError(f"cannot read the epsilon of the target's final norm ({type(norm).__name__})")
+        if embed_w.shape[0] < self.dlite_config.vocab_size:
+            raise ValueError(
+                f"the target's embedding has {embed_w.shape[0]} rows but the DLite drafter needs "
+                f"{self.dlite_config.vocab_size}: use a drafter trained for this target"
+            )
+        self.drafter.bind_target(embed_w, norm_w, float(eps))
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
     def propose_drafts(
         self,
         features: torch.Tensor,
-        anchor_ids: torch.Tensor,
+        group_ids: torch.Tensor,
+        group_lens: Optional[torch.Tensor] = None,
         temperatures: Optional[torch.Tensor] = None,
         num_tokens: Optional[int] = None,
         return_logits: bool = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One DLite round for ``B`` requests.
+        """One DLite round for ``b`` requests.
 
         Args:
-            features: ``[B, L*Ht]`` (vLLM's concatenated aux hidden states, layer-major) or
-                ``[B, L, Ht]``: the target's features at the row that predicted the anchor.
-            anchor_ids: ``[B]`` the token the target just produced.
-            temperatures: ``[B]`` per-request temperatures, or None for greedy everywhere;
-                entries below ``GREEDY_EPS`` are greedy.
-            num_tokens: keep the first ``num_tokens <= K`` drafts (default K).
-            return_logits: also return the raw draft logits ``[B, k, V]`` fp32 (the draft
-                distribution of a sampled row is ``softmax(logits / T)``).
+            features: ``[b, L*H]`` (vLLM's concatenated aux hidden states, layer-major) or
+                ``[b, L, H]``: the target's features at the row before the anchor.
+            group_ids: ``[b, G']`` the last real tokens of each request, anchor last
+                (``G' <= G``; left-padded when ``group_lens`` is given).
+            group_lens: ``[b]`` (CPU) real tokens per row, ``<= G'``, or None (all ``G'``).
+            temperatures: ``[b]`` per-request temperatures or None (greedy everywhere); entries
+                below ``GREEDY_EPS`` are greedy.
+            num_tokens: head steps k <= K (default K); no step beyond k is run.
+            return_logits: also return the raw draft logits ``[b, k, V]`` fp32.
 
-        Returns ``(draft_ids [B, k] int64, logits or None)``.
+        Returns ``(draft_ids [b, k] int64, logits or None)``.
         """
-        B = anchor_ids.shape[0]
-        L, Ht = self.num_feature_layers, self.target_hidden_size
+        cfg = self.dlite_config
+        b = group_ids.shape[0]
+        L, H = cfg.num_feature_layers, cfg.hidden_size
         if features.dim() == 2:
-            if features.shape[-1] != L * Ht:
+            if features.shape[-1] != L * H:
                 raise ValueError(
-                    f"DLite expects {L} target layers x {Ht} = {L * Ht} features per row, got "
+                    f"DLite expects {L} target layers x {H} = {L * H} features per row, got "
                     f"{features.shape[-1]}: the target's aux hidden states do not match the "
-                    "checkpoint's eagle_aux_hidden_state_layer_ids"
+                    f"checkpoint's layer ids (aux {cfg.aux_layer_ids})"
                 )
-            features = features.reshape(B, L, Ht)
-        anchor_ids = anchor_ids.long()
-        k = self.block_size if num_tokens is None else int(num_tokens)
-        if B == 0 or k == 0:
-            empty = torch.empty(B, k, dtype=torch.long, device=anchor_ids.device)
-            return empty, (None if not return_logits else features.new_zeros(B, k, self.vocab_size, dtype=torch.float32))
+            features = features.reshape(b, L, H)
+        group_ids = group_ids.long()
+        k = cfg.num_draft_tokens if num_tokens is None else int(num_tokens)
+        if b == 0 or k == 0:
+            ids = torch.empty(b, k, dtype=torch.long, device=group_ids.device)
+            return ids, (features.new_zeros(b, k, cfg.vocab_size, dtype=torch.float32) if return_logits else None)
 
-        groups: list[tuple[float, Optional[torch.Tensor]]]
-        if temperatures is None:
-            groups = [(0.0, None)]
-        else:
-            temps = temperatures[:B].float().tolist()
-            values = sorted({0.0 if t < GREEDY_EPS else t for t in temps})
-            if len(values) == 1:
-                groups = [(values[0], None)]
-            else:
-                groups = []
-                for v in values:
-                    idx = [i for i, t in enumerate(temps) if (0.0 if t < GREEDY_EPS else t) == v]
-                    groups.append((v, torch.tensor(idx, device=anchor_ids.device)))
-
-        if len(groups) == 1:
-            out = self.drafter.draft(features, anchor_ids, temperature=groups[0][0])
-            ids, logits = out.token_ids, out.logits
-        else:
-            ids = torch.empty(B, self.block_size, dtype=torch.long, device=anchor_ids.device)
-            logits = torch.empty(
-                B, self.block_size, self.vocab_size, dtype=torch.float32, device=anchor_ids.device
-            )
-            for temp, idx in groups:
-                out = self.drafter.draft(features[idx], anchor_ids[idx], temperature=temp)
-                ids[idx] = out.token_ids
-                logits[idx] = out.logits
-        ids = ids[:, :k]
-        return ids, (logits[:, :k] if return_logits else None)
+        # rows of one drafter call share g and temperature
+        temps = None
+        if temperatures is not None:
+            t = temperatures[:b].float()
+            temps = torch.where(t < GREEDY_EPS, torch.zeros_like(t), t).cpu()
+        if group_lens is None and (temps is None or bool((temps == temps[0]).all())):
+            out = self.drafter.draft(features, group_ids, temperature=0.0 if temps is None else float(temps[0]),
+                                     num_steps=k)
+            return out.token_ids, (out.logits if return_logits else None)
+        lens = torch.full((b,), group_ids.shape[1]) if group_lens is None else group_lens.cpu()
+        key = lens.double() * 1e6 + (torch.zeros(b) if temps is None else temps.double())
+        ids = torch.empty(b, k, dtype=torch.long, device=group_ids.device)
+        logits = torch.empty(b, k, cfg.vocab_size, dtype=torch.float32, device=group_ids.device) if return_logits else None
+        for _, rows in split_by_group_len(key):
+            r0 = int(rows[0])
+            g, temp = int(lens[r0]), (0.0 if temps is None else float(temps[r0]))
+            rows_dev = rows.to(group_ids.device)
+            out = self.drafter.draft(features[rows_dev], group_ids[rows_dev, group_ids.shape[1] - g:],
+                                     temperature=temp, num_steps=k)
+            ids[rows_dev] = out.token_ids
+            if logits is not None:
+                logits[rows_dev] = out.logits
+        return ids, logits
 
     # ------------------------------------------------------------------ vLLM model interface
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids.long(), self.drafter.embed_weight)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: Optional[torch.Tensor] = None,
-        hidden_states: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """Parallel backbone: ``input_ids`` = anchors ``[B]``, ``hidden_states`` = features
-        ``[B, L*Ht]`` -> ``[B*K, H]`` (``positions`` is ignored: DLite uses local positions)."""
+    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                **kwargs) -> torch.Tensor:
+        """Backbone: ``input_ids`` = anchors ``[b]``, ``hidden_states`` = features ``[b, L*H]``
+        -> mask-slot outputs ``[b*K, H]`` (``positions`` is ignored: DLite uses local positions)."""
         if hidden_states is None:
             raise ValueError("DFlashDLiteDraftModel.forward needs the target features (hidden_states)")
-        B = input_ids.shape[0]
-        features = hidden_states.reshape(B, self.num_feature_layers, self.target_hidden_size)
-        return self.drafter.backbone(features, input_ids.long()).flatten(0, 1)
+        b = input_ids.shape[0]
+        cfg = self.dlite_config
+        features = hidden_states.reshape(b, cfg.num_feature_layers, cfg.hidden_size)
+        return self.drafter.backbone(features, input_ids.long()[:, None]).flatten(0, 1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits of backbone outputs WITHOUT the sequential head (not used for drafting)."""
-        d = self.drafter
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + d.config.rms_norm_eps)
-        x = d.norm.weight.float() * x
-        return F.linear(x.to(d.lm_head_weight.dtype), d.lm_head_weight).float()
+        raise NotImplementedError(
+            "DLite drafts through its sequential head (propose_drafts); the backbone has no "
+            "logits of its own"
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Weights were loaded by ``load_drafter`` in ``__init__`` (the one loader); vLLM's
-        iterator is not consumed (it would read the file a second time)."""
+        iterator is not consumed (it would read the files a second time)."""
         return {name for name, _ in self.named_parameters()}
 
 
@@ -251,4 +208,4 @@ def _weight(module: Optional[nn.Module], name: str) -> torch.Tensor:
     return weight
 
 
-__all__ = ["GREEDY_EPS", "DFlashDLiteDraftModel"]
+__all__ = ["DFlashDLiteDraftModel"]

@@ -98,6 +98,7 @@ def register() -> None:
     check_vllm_version()
     _register_architecture()
     _patch_engine_args()
+    _patch_speculative_config()
     _install_runner_hooks()
     _fix_cpu_expand_kernel()
     _registered = True
@@ -233,36 +234,6 @@ def is_dlite_draft(speculative_config: Any) -> bool:
     return DRAFT_ARCHITECTURE in archs or getattr(hf, "dlite_config", None) is not None
 
 
-def resolve_checkpoint_dir(model: str, revision: Optional[str] = None) -> Path:
-    """A local directory for ``model`` (a path, or a Hugging Face repo id already in the local
-    cache or downloadable); ``FileNotFoundError`` naming the fix otherwise."""
-    path = Path(os.path.expanduser(str(model)))
-    if path.exists():
-        return path
-    looks_like_repo = str(model).count("/") == 1 and not str(model).startswith((".", "/", "~"))
-    if looks_like_repo:
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(
-                snapshot_download(
-                    str(model),
-                    revision=revision,
-                    allow_patterns=["config.json", "model.safetensors"],
-                )
-            )
-        except Exception as exc:  # noqa: BLE001 - report the cause in the message
-            raise FileNotFoundError(
-                f"DLite checkpoint '{model}' is neither a local directory nor a downloadable "
-                f"Hugging Face repo ({type(exc).__name__}: {exc}); pass the directory written by "
-                "DLiteDrafter.save_pretrained as speculative_config['model']"
-            ) from None
-    raise FileNotFoundError(
-        f"DLite checkpoint directory not found: {path}; pass the directory written by "
-        "DLiteDrafter.save_pretrained as speculative_config['model']"
-    )
-
-
 def _target_sizes(target_model_config: Any) -> dict[str, Any]:
     """hidden size / vocab / layer count of the target, from a vLLM ModelConfig or a dict."""
     if isinstance(target_model_config, dict):
@@ -288,72 +259,78 @@ def validate_dlite_checkpoint(
     num_speculative_tokens: Optional[int] = None,
     revision: Optional[str] = None,
 ):
-    """Check a DLite checkpoint (and its fit to the target) at config time.
+    """Check a DLite checkpoint (``dlite_v1``) and its fit to the target at config time.
 
     Returns ``(checkpoint_dir, DLiteConfig)``. Raises ``FileNotFoundError`` /
-    ``NotADirectoryError`` / ``ValueError`` with one message naming the fix.
+    ``NotADirectoryError`` / ``ValueError`` with one message naming the fix. Reads config.json and
+    the safetensors headers only.
     """
-    from vllm_dlite.config import DRAFT_ARCHITECTURE
-    from vllm_dlite.model import check_weights_file, read_checkpoint_config
+    from vllm_dlite.model import check_checkpoint, resolve_checkpoint_dir
 
     directory = resolve_checkpoint_dir(model, revision)
-    cfg_dict, cfg = read_checkpoint_config(directory)  # files, JSON, dlite_config block
-    archs = cfg_dict.get("architectures") or []
-    if DRAFT_ARCHITECTURE not in archs:
+    cfg = check_checkpoint(directory)  # config.json + every tensor's name/shape/dtype
+    K = cfg.num_draft_tokens
+    if num_speculative_tokens is not None and not 1 <= num_speculative_tokens <= K:
         raise ValueError(
-            f"{directory}/config.json has architectures {archs}, expected "
-            f"['{DRAFT_ARCHITECTURE}']: not a DLite checkpoint for vLLM (rewrite it with "
-            "DLiteDrafter.save_pretrained)"
-        )
-    if cfg_dict.get("mask_token_id") is None:
-        raise ValueError(
-            f"{directory}/config.json lacks 'mask_token_id' (vLLM's parallel drafting needs it); "
-            "rewrite the checkpoint with DLiteDrafter.save_pretrained"
-        )
-    if list(cfg_dict.get("eagle_aux_hidden_state_layer_ids") or []) != list(cfg.target_layer_ids):
-        raise ValueError(
-            f"{directory}/config.json: eagle_aux_hidden_state_layer_ids "
-            f"{cfg_dict.get('eagle_aux_hidden_state_layer_ids')} differs from "
-            f"dlite_config.target_layer_ids {cfg.target_layer_ids} (vLLM serves the former, the "
-            "drafter reads the latter); set both to the same list"
-        )
-    if num_speculative_tokens is not None and num_speculative_tokens > cfg.block_size:
-        raise ValueError(
-            f"num_speculative_tokens={num_speculative_tokens} exceeds the DLite drafter's block "
-            f"size K={cfg.block_size} ({directory}); use num_speculative_tokens <= "
-            f"{cfg.block_size} (the drafter always drafts its trained block and vLLM keeps the "
-            "first num_speculative_tokens)"
+            f"num_speculative_tokens={num_speculative_tokens} does not fit the DLite drafter "
+            f"{directory}, which drafts K={K} tokens per round (block_size {cfg.block_size} counts "
+            f"the anchor): use 1 <= num_speculative_tokens <= {K}"
         )
     if target_model_config is not None:
         t = _target_sizes(target_model_config)
-        where = f"target {t['name']!r}" if t["name"] else "the target"
-        if t["hidden_size"] is not None and t["hidden_size"] != cfg.target_hidden_size:
-            raise ValueError(
-                f"DLite checkpoint {directory} was built for target_hidden_size="
-                f"{cfg.target_hidden_size} but {where} has hidden_size={t['hidden_size']}: use a "
-                "drafter trained for this target (or serve the target it was trained for)"
-            )
-        if t["vocab_size"] is not None and t["vocab_size"] != cfg.target_vocab_size:
-            raise ValueError(
-                f"DLite checkpoint {directory} was built for target_vocab_size="
-                f"{cfg.target_vocab_size} but {where} has vocab_size={t['vocab_size']}: use a "
-                "drafter trained for this target (same tokenizer/vocabulary)"
-            )
-        n = t["num_layers"]
-        if n is not None:
-            bad = [i for i in cfg.target_layer_ids if not 0 <= i <= n]
-            if bad:
-                raise ValueError(
-                    f"DLite checkpoint {directory} reads target layers {bad} but {where} has "
-                    f"{n} layers (valid aux ids 0..{n}): use a drafter trained for this target"
-                )
-            if n != cfg.target_num_layers:
-                logger.warning(
-                    "DLite checkpoint %s was built for a %d-layer target, %s has %d layers",
-                    directory, cfg.target_num_layers, where, n,
-                )
-    check_weights_file(directory)  # safetensors header: complete, names, shapes, dtypes
+        try:
+            cfg.check_target(hidden_size=t["hidden_size"], vocab_size=t["vocab_size"],
+                             num_layers=t["num_layers"],
+                             where=f"target {t['name']!r}" if t["name"] else "the target")
+        except ValueError as exc:
+            raise ValueError(f"DLite checkpoint {directory}: {exc}") from None
     return directory, cfg
+
+
+def checkpoint_config(draft_model_config: Any):
+    """The :class:`DLiteConfig` of vLLM's draft ``ModelConfig`` (read from its checkpoint)."""
+    from vllm_dlite.model import read_checkpoint_config, resolve_checkpoint_dir
+
+    directory = resolve_checkpoint_dir(draft_model_config.model, getattr(draft_model_config, "revision", None))
+    return read_checkpoint_config(directory)[1]
+
+
+def dlite_hf_config_override(hf_config: Any) -> Any:
+    """vLLM's ``SpeculativeConfig.hf_config_override`` plus, for a dlite_v1 draft config, what
+    vLLM needs to serve it on its parallel-drafting path: ``architectures`` = the DLite draft
+    model, ``eagle_aux_hidden_state_layer_ids`` = the aux ids to capture (target layer j -> j+1),
+    top-level ``mask_token_id``. The user's checkpoint files are not touched."""
+    from vllm_dlite.config import ARCHITECTURE_VERSION, DRAFT_ARCHITECTURE, DLiteConfig
+
+    hf_config = _original_hf_config_override()(hf_config)
+    block = getattr(hf_config, "dlite_config", None)
+    if isinstance(block, dict) and block.get("architecture_version") == ARCHITECTURE_VERSION:
+        cfg = DLiteConfig.from_checkpoint_config(hf_config.to_dict())
+        hf_config.architectures = [DRAFT_ARCHITECTURE]
+        hf_config.eagle_aux_hidden_state_layer_ids = cfg.aux_layer_ids
+        hf_config.mask_token_id = cfg.mask_token_id
+    return hf_config
+
+
+_vllm_hf_config_override: Optional[Callable] = None
+
+
+def _original_hf_config_override() -> Callable:
+    if _vllm_hf_config_override is None:
+        _patch_speculative_config()
+    return _vllm_hf_config_override  # type: ignore[return-value]
+
+
+def _patch_speculative_config() -> None:
+    """Route vLLM's draft-config normalisation through :func:`dlite_hf_config_override` (a
+    module-level function, so the draft ``ModelConfig`` still pickles to spawned processes)."""
+    global _vllm_hf_config_override
+    from vllm.config.speculative import SpeculativeConfig
+
+    current = SpeculativeConfig.__dict__["hf_config_override"].__func__
+    if current is not dlite_hf_config_override:
+        _vllm_hf_config_override = current
+        SpeculativeConfig.hf_config_override = staticmethod(dlite_hf_config_override)
 
 
 def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = None) -> dict:
@@ -387,7 +364,7 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     out["method"] = VLLM_METHOD
     out["model"] = str(directory) if Path(str(model)).exists() else model
     if out.get("num_speculative_tokens") is None:
-        out["num_speculative_tokens"] = cfg.block_size
+        out["num_speculative_tokens"] = cfg.num_draft_tokens
     if out.get("disable_padded_drafter_batch"):
         # parallel drafting in vLLM only supports the padded drafter batch
         raise ValueError(
@@ -395,9 +372,10 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
             "batch: remove disable_padded_drafter_batch from speculative_config"
         )
     logger.info(
-        "DLite: speculative method 'dlite' (checkpoint %s, K=%d, %d target layers %s) runs on "
-        "vLLM's parallel-drafting path ('dflash') with the DLite proposer",
-        directory, out["num_speculative_tokens"], cfg.num_feature_layers, cfg.target_layer_ids,
+        "DLite: speculative method 'dlite' (dlite_v1 checkpoint %s, k=%d of K=%d, G=%d, target "
+        "layers %s) runs on vLLM's parallel-drafting path ('dflash') with the DLite proposer",
+        directory, out["num_speculative_tokens"], cfg.num_draft_tokens, cfg.anchor_group_size,
+        cfg.target_layer_ids,
     )
     return out
 

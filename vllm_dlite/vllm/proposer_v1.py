@@ -13,7 +13,10 @@ replaces what touches the draft model:
 * ``propose``: per request, gather the L feature vectors of the row that predicted the anchor
   (``token_indices_to_sample``: the last accepted row after verification, or the last scheduled
   row of a prefill chunk when it is ``None``) from ``target_hidden_states [num_tokens, L*H]``;
-  anchors = ``next_token_ids``; one backbone pass + K head steps. Greedy drafts unless
+  anchor = ``next_token_ids``; with G > 1 the G-1 tokens before the anchor (:meth:`group_tokens`:
+  this step's input ids, or the request's token history for positions scheduled earlier; fewer
+  at sequence start); one backbone pass + k head steps (k = ``num_speculative_tokens``). Greedy
+  drafts unless
   ``draft_sample_method="probabilistic"`` (with the standard rejection sampler) and the batch has
   sampled requests: then sampled rows draw from ``softmax(logits / T_request)`` and
   ``take_last_draft_probs`` returns those probabilities for lossless rejection sampling.
@@ -35,7 +38,6 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_dlite.config import DLiteConfig
 
 logger = init_logger("vllm.dlite.proposer_v1")  # under "vllm": vLLM's handlers
 
@@ -45,8 +47,9 @@ class DLiteProposer(DFlashProposer):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
-        hf = self.draft_model_config.hf_config
-        self.dlite_config = DLiteConfig.from_dict(dict(hf.dlite_config))
+        from vllm_dlite.vllm.plugin import checkpoint_config
+
+        self.dlite_config = checkpoint_config(self.draft_model_config)
         self.kv_cache_gid = 0  # no draft KV; see module docstring
         self._draft_attn_layer_names = set()
         # The DFlash base allocates per-token draft input buffers we never use; keep them tiny.
@@ -66,9 +69,10 @@ class DLiteProposer(DFlashProposer):
         self._draft_attn_layer_names = set()
         self.model.bind_target_model(target_model)
         logger.info(
-            "DLite drafter loaded from %s: K=%d, %d target layers %s, no draft KV cache",
+            "DLite drafter loaded from %s: K=%d, G=%d, %d target layers %s, no draft KV cache",
             self.model.checkpoint_dir,
-            self.dlite_config.block_size,
+            self.dlite_config.num_draft_tokens,
+            self.dlite_config.anchor_group_size,
             self.dlite_config.num_feature_layers,
             self.dlite_config.target_layer_ids,
         )
@@ -98,10 +102,10 @@ class DLiteProposer(DFlashProposer):
         B = max(1, min(int(num_tokens), self.max_batch_size))
         cfg = self.dlite_config
         features = torch.zeros(
-            B, cfg.num_feature_layers * cfg.target_hidden_size, dtype=self.dtype, device=self.device
+            B, cfg.num_feature_layers * cfg.hidden_size, dtype=self.dtype, device=self.device
         )
-        anchors = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.model.propose_drafts(features, anchors)
+        group = torch.zeros(B, cfg.anchor_group_size, dtype=torch.long, device=self.device)
+        self.model.propose_drafts(features, group)
 
     def _temperatures(self, sampling_metadata: Any) -> Optional[torch.Tensor]:
         """Per-request temperatures when drafts must be sampled, else None (greedy drafts)."""
@@ -110,6 +114,43 @@ class DLiteProposer(DFlashProposer):
         if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
             return None
         return sampling_metadata.temperature
+
+    def group_tokens(
+        self,
+        anchors: torch.Tensor,
+        rows: torch.Tensor,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        common_attn_metadata,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(group_ids [B, G], group_lens [B] or None)``: the anchor and the G-1 tokens before it.
+
+        Row ``rows[i]`` holds position ``a-1`` and input token ``x_{a-1}``; ``x_{a-j}`` is this
+        step's input at row ``rows[i]-(j-1)`` while that row belongs to request i, else the
+        request's token history (``input_batch.token_ids_cpu``: positions scheduled in earlier
+        steps). At sequence start g = min(G, a+1) (lens returned; unused slots hold 0)."""
+        G = self.dlite_config.anchor_group_size
+        if G == 1:
+            return anchors[:, None], None
+        B = anchors.shape[0]
+        group = torch.zeros(B, G, dtype=torch.long, device=anchors.device)
+        group[:, -1] = anchors
+        group[:, -2] = target_token_ids[rows].long()  # x_{a-1}: always this step's input
+        if G == 2:
+            return group, None
+        rows_c = rows.cpu()
+        pos_c = target_positions[rows].long().cpu()  # a-1
+        start_c = common_attn_metadata.query_start_loc_cpu[:B].long()
+        tokens_c = target_token_ids.cpu()
+        history = self.runner.input_batch.token_ids_cpu
+        out = group.cpu()
+        lens = torch.clamp(pos_c + 2, max=G)  # g = min(G, a+1)
+        for i in range(B):
+            for j in range(2, int(lens[i])):  # x_{a-j}
+                row = int(rows_c[i]) - (j - 1)
+                out[i, G - 1 - j] = (tokens_c[row] if row >= int(start_c[i])
+                                     else int(history[i, int(pos_c[i]) + 1 - j]))
+        return out.to(anchors.device), (None if bool((lens == G).all()) else lens)
 
     @torch.inference_mode()
     def propose(
@@ -134,11 +175,15 @@ class DLiteProposer(DFlashProposer):
             token_indices_to_sample = common_attn_metadata.query_start_loc[1 : batch_size + 1] - 1
         rows = token_indices_to_sample[:batch_size].long()
         features = target_hidden_states[rows]  # [B, L*H]
-        anchors = next_token_ids[:batch_size]
+        anchors = next_token_ids[:batch_size].long()
+        group_ids, group_lens = self.group_tokens(
+            anchors, rows, target_token_ids, target_positions, common_attn_metadata
+        )
         temperatures = self._temperatures(sampling_metadata)
         draft_ids, logits = self.model.propose_drafts(
             features,
-            anchors,
+            group_ids,
+            group_lens,
             temperatures=temperatures,
             num_tokens=num_speculative_tokens,
             return_logits=temperatures is not None,

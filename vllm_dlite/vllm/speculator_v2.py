@@ -11,7 +11,10 @@ greedy path:
 * features = the L aux hidden states at those rows, ``[B, L, H]``;
 * anchor = ``last_sampled[idx_mapping[i]]`` when the request sampled a token this step, else
   ``next_prefill_tokens[idx_mapping[i]]`` (partial prefill chunk; vLLM discards those drafts);
-* one backbone pass + K sequential-head steps -> ``draft_tokens[:num_reqs]``.
+* with G = 2, ``x_{a-1}`` = this step's input id at that row (always scheduled this step);
+  G > 2 is served by Model Runner V1 only (a clear error here);
+* one backbone pass + k sequential-head steps (k = ``num_speculative_tokens``) ->
+  ``draft_tokens[:num_reqs]``.
 
 No draft attention layers, so no draft KV cache and no draft attention metadata (``set_attn``
 only keeps the runner's objects). ``draft_sample_method="probabilistic"`` samples sampled rows
@@ -91,15 +94,18 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
                 "Model Runner V1 when V2 is not used"
             )
         super().__init__(vllm_config, device)
-        from vllm_dlite.config import DLiteConfig
+        from vllm_dlite.vllm.plugin import checkpoint_config
 
-        hf = self.draft_model_config.hf_config
-        self.dlite_config = DLiteConfig.from_dict(dict(hf.dlite_config))
-        cfg = self.dlite_config
-        if self.num_speculative_steps > cfg.block_size:
+        self.dlite_config = cfg = checkpoint_config(self.draft_model_config)
+        if self.num_speculative_steps > cfg.num_draft_tokens:
             raise ValueError(
-                f"num_speculative_tokens={self.num_speculative_steps} exceeds the DLite block "
-                f"size K={cfg.block_size}"
+                f"num_speculative_tokens={self.num_speculative_steps} exceeds the DLite drafter's "
+                f"K={cfg.num_draft_tokens}: use num_speculative_tokens <= {cfg.num_draft_tokens}"
+            )
+        if cfg.anchor_group_size > 2:
+            raise ValueError(
+                f"this DLite checkpoint has anchor_group_size={cfg.anchor_group_size}; Model Runner "
+                "V2 serves G <= 2: set VLLM_USE_V2_MODEL_RUNNER=0 to serve it with Model Runner V1"
             )
         if self.enable_adaptive_verification:
             logger.warning("DLite: adaptive verification is not supported; disabled")
@@ -114,11 +120,13 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         self.features = torch.zeros(
             self.max_num_reqs,
             cfg.num_feature_layers,
-            cfg.target_hidden_size,
+            cfg.hidden_size,
             dtype=self.dtype,
             device=device,
         )
-        self.anchors = torch.zeros(self.max_num_reqs, dtype=torch.long, device=device)
+        self.group_ids = torch.zeros(
+            self.max_num_reqs, cfg.anchor_group_size, dtype=torch.long, device=device
+        )
         self.graphs: Optional[_DLiteGraphs] = None
 
     # ------------------------------------------------------------------ model / attention
@@ -169,7 +177,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
 
     def _draft_static(self, n: int) -> None:
         ids, _ = self.model.propose_drafts(
-            self.features[:n], self.anchors[:n], num_tokens=self.num_speculative_steps
+            self.features[:n], self.group_ids[:n], num_tokens=self.num_speculative_steps
         )
         self.draft_tokens[:n].copy_(ids)
 
@@ -180,7 +188,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
 
         pool = current_platform.get_global_graph_pool()
         self.features.zero_()
-        self.anchors.zero_()
+        self.group_ids.zero_()
         logger.info("DLite: capturing %d draft CUDA graphs", len(self.graphs.sizes))
         for n in sorted(self.graphs.sizes, reverse=True):  # largest first: pool reuse
             self._draft_static(n)  # warm-up (allocator, lazy init)
@@ -201,7 +209,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         last_sampled: torch.Tensor,
         next_prefill_tokens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(features [B, L, H], anchors [B] int64, req_state_idx [B] int64)``."""
+        """``(features [B, L, H], group_ids [B, G] int64, req_state_idx [B] int64)``."""
         n = input_batch.num_reqs
         cfg = self.dlite_config
         if not aux_hidden_states or len(aux_hidden_states) != cfg.num_feature_layers:
@@ -215,7 +223,10 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         idx = input_batch.idx_mapping[:n].long()
         prefill = next_prefill_tokens[0] if next_prefill_tokens.dim() == 2 else next_prefill_tokens
         anchors = torch.where(num_sampled[:n] > 0, last_sampled[idx], prefill[idx]).long()
-        return features, anchors, idx
+        if cfg.anchor_group_size == 1:
+            return features, anchors[:, None], idx
+        previous = input_batch.input_ids[rows].long()  # x_{a-1}
+        return features, torch.stack([previous, anchors], dim=1), idx
 
     @torch.inference_mode()
     def propose(
@@ -241,7 +252,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         n = input_batch.num_reqs
         if n == 0:
             return self.draft_tokens[:0]
-        features, anchors, idx = self.gather_inputs(
+        features, group_ids, idx = self.gather_inputs(
             input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
             next_prefill_tokens,
         )
@@ -250,7 +261,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             # probabilistic drafting (eager): sampled rows draw from softmax(logits / T)
             temps = temperature[idx].float()
             ids, logits = self.model.propose_drafts(
-                features, anchors, temperatures=temps, num_tokens=K, return_logits=True
+                features, group_ids, temperatures=temps, num_tokens=K, return_logits=True
             )
             self.draft_logits[idx, :K] = logits.to(self.draft_logits.dtype)
             self.draft_tokens[:n].copy_(ids)
@@ -261,10 +272,10 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             padded = self.graphs.padded_size(n)
         if padded is not None:
             self.features[:n].copy_(features)
-            self.anchors[:n].copy_(anchors)
+            self.group_ids[:n].copy_(group_ids)
             self.graphs.draft_graphs[padded].replay()
         else:
-            ids, _ = self.model.propose_drafts(features, anchors, num_tokens=K)
+            ids, _ = self.model.propose_drafts(features, group_ids, num_tokens=K)
             self.draft_tokens[:n].copy_(ids)
         return self.draft_tokens[:n]
 
