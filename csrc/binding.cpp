@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <tuple>
 
 #include "dlite_kernels.h"
@@ -55,55 +56,56 @@ void check_launch(cudaError_t err, const char* op) {
 }
 
 // ------------------------------------------------------------------------------ draft attention
-at::Tensor draft_attention_cuda(const at::Tensor& q, const at::Tensor& k_feat,
-                                const at::Tensor& v_feat, const at::Tensor& k_block,
-                                const at::Tensor& v_block, const at::Tensor& cos,
+at::Tensor draft_attention_cuda(const at::Tensor& q, const at::Tensor& k_ctx,
+                                const at::Tensor& v_ctx, const at::Tensor& k_q,
+                                const at::Tensor& v_q, const at::Tensor& cos,
                                 const at::Tensor& sin, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k_feat.dim() == 4 && k_block.dim() == 4,
-              "dlite::draft_attention: q, k_feat, k_block must be 4-D");
-  const int64_t B = q.size(0), K = q.size(1), Hq = q.size(2), D = q.size(3);
-  const int64_t L = k_feat.size(1), Hkv = k_feat.size(2);
-  TORCH_CHECK(k_feat.sizes() == at::IntArrayRef({B, L, Hkv, D}) && v_feat.sizes() == k_feat.sizes(),
-              "dlite::draft_attention: k_feat/v_feat must be [B, L, Hkv, D]");
-  TORCH_CHECK(k_block.sizes() == at::IntArrayRef({B, K, Hkv, D}) &&
-                  v_block.sizes() == k_block.sizes(),
-              "dlite::draft_attention: k_block/v_block must be [B, K, Hkv, D]");
-  TORCH_CHECK(cos.sizes() == at::IntArrayRef({K + 1, D}) && sin.sizes() == cos.sizes(),
-              "dlite::draft_attention: cos/sin must be [K + 1, D]");
-  for (const auto* t : {&k_feat, &v_feat, &k_block, &v_block})
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dlite::draft_attention: dtype mismatch");
-  check_cuda(k_feat, q, "k_feat");
-  check_cuda(v_feat, q, "v_feat");
-  check_cuda(k_block, q, "k_block");
-  check_cuda(v_block, q, "v_block");
+  TORCH_CHECK(q.dim() == 4 && k_ctx.dim() == 4 && k_q.dim() == 4,
+              "dlite::draft_attention_v1: q, k_ctx, k_q must be 4-D");
+  const int64_t B = q.size(0), Q = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t L = k_ctx.size(1), Hkv = k_ctx.size(2);
+  TORCH_CHECK(k_ctx.sizes() == at::IntArrayRef({B, L, Hkv, D}) && v_ctx.sizes() == k_ctx.sizes(),
+              "dlite::draft_attention_v1: k_ctx/v_ctx must be [b, L, h_kv, D]");
+  TORCH_CHECK(k_q.sizes() == at::IntArrayRef({B, Q, Hkv, D}) && v_q.sizes() == k_q.sizes(),
+              "dlite::draft_attention_v1: k_q/v_q must be [b, Q, h_kv, D]");
+  TORCH_CHECK(cos.sizes() == at::IntArrayRef({L + Q, D}) && sin.sizes() == cos.sizes(),
+              "dlite::draft_attention_v1: cos/sin must be [L + Q, D]");
+  for (const auto* t : {&k_ctx, &v_ctx, &k_q, &v_q})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "dlite::draft_attention_v1: dtype mismatch");
+  check_cuda(k_ctx, q, "k_ctx");
+  check_cuda(v_ctx, q, "v_ctx");
+  check_cuda(k_q, q, "k_q");
+  check_cuda(v_q, q, "v_q");
   check_cuda(cos, q, "cos");
   check_cuda(sin, q, "sin");
-  const char* why = dlite::draft_attention_unsupported(int(B), int(K), int(L), int(Hq), int(Hkv),
+  const char* why = dlite::draft_attention_unsupported(int(B), int(Q), int(L), int(Hq), int(Hkv),
                                                        int(D));
-  TORCH_CHECK(why == nullptr, "dlite::draft_attention: ", why ? why : "");
+  TORCH_CHECK(why == nullptr, "dlite::draft_attention_v1: ", why ? why : "");
 
   const c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor qc = q.contiguous(), kf = k_feat.contiguous(), vf = v_feat.contiguous(),
-                   kb = k_block.contiguous(), vb = v_block.contiguous();
-  const at::Tensor cos32 = cos.to(at::kFloat).contiguous(), sin32 = sin.to(at::kFloat).contiguous();
+  const at::Tensor qc = q.contiguous(), kc = k_ctx.contiguous(), vc = v_ctx.contiguous(),
+                   kq = k_q.contiguous(), vq = v_q.contiguous();
+  // the reference casts cos/sin to the activation dtype before rotating: same values here
+  const at::Tensor cos32 = cos.to(q.scalar_type()).to(at::kFloat).contiguous();
+  const at::Tensor sin32 = sin.to(q.scalar_type()).to(at::kFloat).contiguous();
   at::Tensor out = at::empty_like(qc);
   if (poison_enabled()) out.fill_(std::numeric_limits<double>::quiet_NaN());
   if (B == 0) return out;
-  for (const auto& [t, name] : {std::pair{&qc, "q"}, {&kf, "k_feat"}, {&vf, "v_feat"},
-                               {&kb, "k_block"}, {&vb, "v_block"}, {&out, "out"}})
+  for (const auto& [t, name] : {std::pair{&qc, "q"}, {&kc, "k_ctx"}, {&vc, "v_ctx"},
+                               {&kq, "k_q"}, {&vq, "v_q"}, {&out, "out"}})
     check_aligned(*t, name);
 
   dlite::DraftAttentionArgs a{};
   a.q = qc.data_ptr();
-  a.k_feat = kf.data_ptr();
-  a.v_feat = vf.data_ptr();
-  a.k_block = kb.data_ptr();
-  a.v_block = vb.data_ptr();
+  a.k_ctx = kc.data_ptr();
+  a.v_ctx = vc.data_ptr();
+  a.k_q = kq.data_ptr();
+  a.v_q = vq.data_ptr();
   a.cos = cos32.data_ptr<float>();
   a.sin = sin32.data_ptr<float>();
   a.out = out.data_ptr();
   a.B = int(B);
-  a.K = int(K);
+  a.Q = int(Q);
   a.L = int(L);
   a.Hq = int(Hq);
   a.Hkv = int(Hkv);
@@ -111,81 +113,93 @@ at::Tensor draft_attention_cuda(const at::Tensor& q, const at::Tensor& k_feat,
   a.scale = float(scale);
   a.dtype = to_dtype(q.scalar_type());
   check_launch(dlite::draft_attention_launch(a, c10::cuda::getCurrentCUDAStream().stream()),
-               "draft_attention");
+               "draft_attention_v1");
   return out;
 }
 
 // ------------------------------------------------------------------------------ sequential head
 std::tuple<at::Tensor, at::Tensor> sequential_head_greedy_cuda(
-    const at::Tensor& h, const at::Tensor& anchor_ids, const at::Tensor& embed_weight,
-    const at::Tensor& w_in, const at::Tensor& w_state, const at::Tensor& w_out,
-    const at::Tensor& norm_weight, const at::Tensor& lm_head_weight, double eps) {
-  TORCH_CHECK(h.dim() == 3, "dlite::sequential_head_greedy: h must be [B, K, H]");
-  const int64_t B = h.size(0), K = h.size(1), H = h.size(2);
-  const int64_t r = w_in.size(0), V = lm_head_weight.size(0);
+    const at::Tensor& d, const at::Tensor& anchor_ids, const std::optional<at::Tensor>& prime_ids,
+    const at::Tensor& prev_token_embedding, const at::Tensor& state_proj_weight,
+    const at::Tensor& state_proj_bias, const at::Tensor& hidden_mlp_weight,
+    const at::Tensor& hidden_mlp_bias, const at::Tensor& output_proj_weight, int64_t num_steps) {
+  constexpr const char* op = "dlite::sequential_head_greedy_v1: ";
+  TORCH_CHECK(d.dim() == 3, op, "d must be [b, K, H]");
+  const int64_t B = d.size(0), K = d.size(1), H = d.size(2);
+  TORCH_CHECK(output_proj_weight.dim() == 2, op, "output_proj_weight must be [V, r]");
+  const int64_t V = output_proj_weight.size(0), r = output_proj_weight.size(1);
+  TORCH_CHECK(num_steps >= 0 && num_steps <= K, op, "num_steps must be in 0..K");
   TORCH_CHECK(anchor_ids.sizes() == at::IntArrayRef({B}) && anchor_ids.scalar_type() == at::kLong,
-              "dlite::sequential_head_greedy: anchor_ids must be int64 [B]");
-  TORCH_CHECK(embed_weight.dim() == 2 && embed_weight.size(1) == H,
-              "dlite::sequential_head_greedy: embed_weight must be [V', H]");
-  TORCH_CHECK(w_in.sizes() == at::IntArrayRef({r, H}) && w_state.sizes() == at::IntArrayRef({r, r}) &&
-                  w_out.sizes() == at::IntArrayRef({H, r}),
-              "dlite::sequential_head_greedy: w_in [r, H], w_state [r, r], w_out [H, r] expected");
-  TORCH_CHECK(norm_weight.sizes() == at::IntArrayRef({H}) && lm_head_weight.dim() == 2 &&
-                  lm_head_weight.size(1) == H,
-              "dlite::sequential_head_greedy: norm_weight [H], lm_head_weight [V, H] expected");
-  const auto dt = lm_head_weight.scalar_type();
-  for (const auto* t : {&h, &embed_weight, &w_in, &w_state, &w_out, &norm_weight})
-    TORCH_CHECK(t->scalar_type() == dt,
-                "dlite::sequential_head_greedy: all float inputs must have lm_head's dtype");
-  check_cuda(anchor_ids, h, "anchor_ids");
-  check_cuda(embed_weight, h, "embed_weight");
-  check_cuda(w_in, h, "w_in");
-  check_cuda(w_state, h, "w_state");
-  check_cuda(w_out, h, "w_out");
-  check_cuda(norm_weight, h, "norm_weight");
-  check_cuda(lm_head_weight, h, "lm_head_weight");
+              op, "anchor_ids must be int64 [b]");
+  const bool primed = prime_ids.has_value();
+  if (primed)
+    TORCH_CHECK(prime_ids->sizes() == at::IntArrayRef({B}) && prime_ids->scalar_type() == at::kLong,
+                op, "prime_ids must be int64 [b]");
+  TORCH_CHECK(prev_token_embedding.sizes() == at::IntArrayRef({V, r}), op,
+              "prev_token_embedding must be [V, r] like output_proj_weight");
+  TORCH_CHECK(state_proj_weight.sizes() == at::IntArrayRef({2 * r, 2 * r}) &&
+                  state_proj_bias.sizes() == at::IntArrayRef({2 * r}),
+              op, "state_proj must be [2r, 2r] + [2r]");
+  TORCH_CHECK(hidden_mlp_weight.sizes() == at::IntArrayRef({r, r + H}) &&
+                  hidden_mlp_bias.sizes() == at::IntArrayRef({r}),
+              op, "state_hidden_mlp must be [r, r + H] + [r]");
+  const auto dt = output_proj_weight.scalar_type();
+  for (const auto* t : {&prev_token_embedding, &state_proj_weight, &state_proj_bias,
+                        &hidden_mlp_weight, &hidden_mlp_bias})
+    TORCH_CHECK(t->scalar_type() == dt, op, "all head weights must have output_proj's dtype");
+  TORCH_CHECK(d.is_floating_point(), op, "d must be floating point");
+  check_cuda(anchor_ids, d, "anchor_ids");
+  if (primed) check_cuda(*prime_ids, d, "prime_ids");
+  for (const auto& [t, name] :
+       {std::pair{&prev_token_embedding, "prev_token_embedding"},
+        {&state_proj_weight, "state_proj_weight"}, {&state_proj_bias, "state_proj_bias"},
+        {&hidden_mlp_weight, "hidden_mlp_weight"}, {&hidden_mlp_bias, "hidden_mlp_bias"},
+        {&output_proj_weight, "output_proj_weight"}})
+    check_cuda(*t, d, name);
   const char* why = dlite::sequential_head_unsupported(int(H), int(r), V, to_dtype(dt));
-  TORCH_CHECK(why == nullptr, "dlite::sequential_head_greedy: ", why ? why : "");
-  // The two big matrices are never copied behind the caller's back.
-  TORCH_CHECK(lm_head_weight.is_contiguous() && embed_weight.is_contiguous(),
-              "dlite::sequential_head_greedy: lm_head_weight and embed_weight must be contiguous");
+  TORCH_CHECK(why == nullptr, op, why ? why : "");
+  TORCH_CHECK(output_proj_weight.is_contiguous() && prev_token_embedding.is_contiguous(), op,
+              "output_proj_weight and prev_token_embedding must be contiguous");
 
-  const c10::cuda::CUDAGuard guard(h.device());
-  const at::Tensor hc = h.contiguous(), ids_in = anchor_ids.contiguous(), wi = w_in.contiguous(),
-                   ws = w_state.contiguous(), wo = w_out.contiguous(),
-                   nw = norm_weight.contiguous();
-  at::Tensor draft_ids = at::empty({B, K}, h.options().dtype(at::kLong));
-  at::Tensor logits = at::empty({B, K, V}, h.options().dtype(at::kFloat));
+  const c10::cuda::CUDAGuard guard(d.device());
+  // the reference feeds d_k.to(head dtype) into the readout
+  const at::Tensor dc = d.to(dt).contiguous(), ids_in = anchor_ids.contiguous(),
+                   ws = state_proj_weight.contiguous(), bs = state_proj_bias.contiguous(),
+                   wf = hidden_mlp_weight.contiguous(), bf = hidden_mlp_bias.contiguous();
+  const at::Tensor prime_in = primed ? prime_ids->contiguous() : at::Tensor();
+  at::Tensor draft_ids = at::empty({B, num_steps}, d.options().dtype(at::kLong));
+  at::Tensor logits = at::empty({B, num_steps, V}, d.options().dtype(at::kFloat));
   const bool poison = poison_enabled();
   if (poison) {
     draft_ids.fill_(-1);
     logits.fill_(std::numeric_limits<double>::quiet_NaN());
   }
-  if (B == 0 || K == 0) return {draft_ids, logits};
+  if (B == 0 || num_steps == 0) return {draft_ids, logits};
   for (const auto& [t, name] :
-       {std::pair{&hc, "h"}, {&embed_weight, "embed_weight"}, {&wi, "w_in"}, {&ws, "w_state"},
-        {&wo, "w_out"}, {&lm_head_weight, "lm_head_weight"}})
+       {std::pair{&dc, "d"}, {&prev_token_embedding, "prev_token_embedding"},
+        {&ws, "state_proj_weight"}, {&wf, "hidden_mlp_weight"},
+        {&output_proj_weight, "output_proj_weight"}})
     check_aligned(*t, name);
   at::Tensor workspace = at::empty(
-      {int64_t(dlite::sequential_head_workspace_bytes(int(K), int(H), int(r)))},
-      h.options().dtype(at::kByte));
+      {int64_t(dlite::sequential_head_workspace_bytes(int(H), int(r), int(num_steps)))},
+      d.options().dtype(at::kByte));
 
   dlite::SequentialHeadArgs a{};
-  a.h = hc.data_ptr();
+  a.d = dc.data_ptr();
   a.anchor = ids_in.data_ptr<int64_t>();
-  a.embed = embed_weight.data_ptr();
-  a.embed_rows = embed_weight.size(0);
-  a.w_in = wi.data_ptr();
-  a.w_state = ws.data_ptr();
-  a.w_out = wo.data_ptr();
-  a.norm_w = nw.data_ptr();
-  a.lm_head = lm_head_weight.data_ptr();
+  a.prime = primed ? prime_in.data_ptr<int64_t>() : nullptr;
+  a.emb = prev_token_embedding.data_ptr();
+  a.w_s = ws.data_ptr();
+  a.b_s = bs.data_ptr();
+  a.w_f = wf.data_ptr();
+  a.b_f = bf.data_ptr();
+  a.w_o = output_proj_weight.data_ptr();
   a.B = int(B);
   a.K = int(K);
   a.H = int(H);
   a.r = int(r);
+  a.num_steps = int(num_steps);
   a.V = V;
-  a.eps = float(eps);
   a.dtype = to_dtype(dt);
   a.draft_ids = draft_ids.data_ptr<int64_t>();
   a.logits = logits.data_ptr<float>();
@@ -193,15 +207,15 @@ std::tuple<at::Tensor, at::Tensor> sequential_head_greedy_cuda(
   a.poison_workspace = poison;
   check_launch(
       dlite::sequential_head_greedy_launch(a, c10::cuda::getCurrentCUDAStream().stream()),
-      "sequential_head_greedy");
+      "sequential_head_greedy_v1");
   return {draft_ids, logits};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dlite, CUDA, m) {
-  m.impl("draft_attention", &draft_attention_cuda);
-  m.impl("sequential_head_greedy", &sequential_head_greedy_cuda);
+  m.impl("draft_attention_v1", &draft_attention_cuda);
+  m.impl("sequential_head_greedy_v1", &sequential_head_greedy_cuda);
 }
 
 // `import vllm_dlite._C` loads this library (and so registers the kernels above). No Python API.

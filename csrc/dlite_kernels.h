@@ -1,7 +1,8 @@
-// Host API of the DLite CUDA kernels. Plain C++ + CUDA runtime: no torch headers, so the .cu files
-// compile stand-alone (`nvcc -arch=sm_90 -c csrc/<file>.cu`) and the torch binding lives apart in
-// binding.cpp. Semantics: vllm_dlite/ops/reference.py (draft_attention, sequential_head with
-// temperature 0 and no forced_ids). All tensors are contiguous, row-major, on the current device.
+// Host API of the DLite CUDA kernels (format dlite_v1). Plain C++ + CUDA runtime: no torch
+// headers, so the .cu files compile stand-alone (`nvcc -arch=sm_90 -c csrc/<file>.cu`) and the
+// torch binding lives apart in binding.cpp. Semantics: vllm_dlite/ops/reference.py
+// (draft_attention; sequential_head with temperature < GREEDY_EPS). All tensors are contiguous,
+// row-major, on the current device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,46 +16,46 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // ------------------------------------------------------------------------------ draft attention
 struct DraftAttentionArgs {
-  const void* q;        // [B, K, Hq, D]   dtype
-  const void* k_feat;   // [B, L, Hkv, D]  dtype, local position 0
-  const void* v_feat;   // [B, L, Hkv, D]  dtype
-  const void* k_block;  // [B, K, Hkv, D]  dtype, block offset i at local position 1 + i
-  const void* v_block;  // [B, K, Hkv, D]  dtype
-  const float* cos;     // [K + 1, D] fp32 RoPE table (rotate-half convention)
-  const float* sin;     // [K + 1, D] fp32
-  void* out;            // [B, K, Hq, D]   dtype
-  int B, K, L, Hq, Hkv, D;
-  float scale;          // softmax scale
-  DType dtype;          // of q, k_*, v_*, out
+  const void* q;      // [B, Q, Hq, D]   dtype
+  const void* k_ctx;  // [B, L, Hkv, D]  dtype, roped with cos/sin rows 0..L-1
+  const void* v_ctx;  // [B, L, Hkv, D]  dtype
+  const void* k_q;    // [B, Q, Hkv, D]  dtype, roped with cos/sin rows L..L+Q-1
+  const void* v_q;    // [B, Q, Hkv, D]  dtype
+  const float* cos;   // [L + Q, D] fp32 holding values already rounded to dtype (rotate-half)
+  const float* sin;   // [L + Q, D]
+  void* out;          // [B, Q, Hq, D]   dtype
+  int B, Q, L, Hq, Hkv, D;
+  float scale;        // softmax scale
+  DType dtype;        // of q, k_*, v_*, out
 };
 
 // nullptr when the kernel handles these sizes, else a short reason (for the dispatcher's report).
-const char* draft_attention_unsupported(int B, int K, int L, int Hq, int Hkv, int D);
+const char* draft_attention_unsupported(int B, int Q, int L, int Hq, int Hkv, int D);
 cudaError_t draft_attention_launch(const DraftAttentionArgs& args, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------ sequential head
+// Greedy gated low-rank head, all steps in one cooperative launch per chunk of <= 64 rows.
 struct SequentialHeadArgs {
-  const void* h;            // [B, K, H]  dtype, backbone output (pre final norm)
-  const int64_t* anchor;    // [B]
-  const void* embed;        // [embed_rows, H] dtype
-  int64_t embed_rows;
-  const void* w_in;         // [r, H] dtype
-  const void* w_state;      // [r, r] dtype
-  const void* w_out;        // [H, r] dtype
-  const void* norm_w;       // [H]    dtype
-  const void* lm_head;      // [V, H] dtype
-  int B, K, H, r;
+  const void* d;            // [B, K, H]  dtype: mask-slot outputs (final-normed)
+  const int64_t* anchor;    // [B]        x_a
+  const int64_t* prime;     // [B]        x_{a-1}, or nullptr (zero initial state)
+  const void* emb;          // [V, r]     dtype: prev_token_embedding P
+  const void* w_s;          // [2r, 2r]   dtype: state_proj weight
+  const void* b_s;          // [2r]       dtype
+  const void* w_f;          // [r, r + H] dtype: state_hidden_mlp weight
+  const void* b_f;          // [r]        dtype
+  const void* w_o;          // [V, r]     dtype: output_proj weight
+  int B, K, H, r, num_steps;
   int64_t V;
-  float eps;
   DType dtype;              // kBFloat16 or kFloat16 (the MMA operand type)
-  int64_t* draft_ids;       // [B, K] out: greedy ids
-  float* logits;            // [B, K, V] out: fp32 logits, rounded to dtype like F.linear
-  void* workspace;          // sequential_head_workspace_bytes(K, H, r) bytes, any content
+  int64_t* draft_ids;       // [B, num_steps] out
+  float* logits;            // [B, num_steps, V] out: fp32 values of the dtype-rounded logits
+  void* workspace;          // sequential_head_workspace_bytes(H, r, num_steps) bytes, any content
   bool poison_workspace;    // fill scratch with NaN first (correctness checks)
 };
 
 const char* sequential_head_unsupported(int H, int r, int64_t V, DType dtype);
-size_t sequential_head_workspace_bytes(int K, int H, int r);
+size_t sequential_head_workspace_bytes(int H, int r, int num_steps);
 cudaError_t sequential_head_greedy_launch(const SequentialHeadArgs& args, cudaStream_t stream);
 
 }  // namespace dlite

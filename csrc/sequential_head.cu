@@ -1,65 +1,50 @@
-// DLite low-rank sequential head, greedy: K dependent steps of
+// DLite sequential head, format dlite_v1, greedy: all steps of a round in ONE cooperative launch
+// (per chunk of <= 64 requests). Spec: vllm_dlite/ops/reference.py (sequential_head with
+// temperature < GREEDY_EPS). T = bf16 or fp16 (the head's dtype); every matrix product runs on
+// tensor cores (mma.sync m16n8k16, T operands, fp32 accumulation) and every value the reference
+// keeps in T is rounded to T at the same point:
 //
-//     s_i  = tanh(W_state s_{i-1} + W_in E(x_{t+i}))        rank r, s_{-1} = 0, fp32
-//     h~_i = h_i + W_out s_i                                 fp32
-//     X_i  = T(rmsnorm(h~_i) * norm_w)                       rounded to the lm_head dtype T
-//     logits_i = float(T(lm_head @ X_i))                     [V], fp32 accumulate, T rounding
-//     x_{t+i+1} = argmax(logits_i)                           first index among equal maxima
-//
-// Spec: vllm_dlite/ops/reference.py (sequential_head, temperature 0, no forced ids).
+//   Phi(s, t):  e = P[t]                                   P = prev_token_embedding [V, r]
+//               zc = T(W_s [s ; e] + b_s)                  W_s [2r, 2r], b_s [2r]
+//               g = T(sigmoid(z)),  h = T(tanh(c))         z = zc[:r], c = zc[r:]
+//               s' = T( T(g * s) + T( T(1 - g) * h ) )     (PyTorch's per-op rounding)
+//   s_0 = 0, or Phi(0, x_{a-1}) when prime ids are given (G > 1)
+//   step k = 0..num_steps-1:
+//               s_{k+1} = Phi(s_k, t_k)                    t_0 = x_a, t_k = id drafted at k-1
+//               o = T(W_f [s_{k+1} ; T(d_k)] + b_f)        W_f [r, r + H], b_f [r]
+//               logits_k = float(T(W_o o))                 W_o = output_proj [V, r]
+//               t_{k+1} = argmax(logits_k)                 first index among equal maxima
 //
 // ================================================================ design against the floor ====
-// The floor is the lm_head read: every step must stream the whole [V, H] matrix once, and step
-// i + 1 cannot start before step i's argmax (its embedding feeds s_{i+1}). Qwen3-8B: V = 151936,
-// H = 4096, bf16 -> 1.245 GB per step, 8.7 GB per K = 7 round, i.e. 259 us per step at the
-// H200's 4.8 TB/s datasheet rate (289 us at the ~4.3 TB/s a device copy reaches). Everything else
-// per step is small: W_in + W_out + W_state = 8.9 MB (0.7 %), the B embedding rows, and the
-// fp32 logits written (B * V * 4 B = 39 MB at B = 64, 3 %). So the design goal is: read lm_head
-// exactly once per step for ALL B rows, at full bandwidth, and keep the rest off the critical path.
+// Bytes per step: W_o = V * r * 2 (155.6 MB at Qwen3-8B: V 151936, r 512), W_f = r (r + H) * 2
+// (4.7 MB), W_s = 4 r^2 * 2 (2.1 MB), b P rows, and the fp32 logits written (b * V * 4: 0.6 MB at
+// b = 1, 38.9 MB at b = 64). Step k + 1 needs t_k, the argmax over ALL of step k's logits, so W_o
+// cannot be shared between steps: the floor is num_steps full reads of W_o, ~37 us per step /
+// 0.26 ms per K = 7 round at the H200's ~4.2 TB/s copy bandwidth (b = 1). The design goal: read
+// W_o once per step for all b rows at full bandwidth, and keep the small phases short.
 //
-// Four launches per step (plus one memset per call and 64-row batch chunk), all graph-capturable,
-// no host syncs:
-//   1. state_step_kernel   argmax ids of step i-1 (already decoded) -> embedding gather ->
-//                          W_in E(x) (tensor cores, split over H) + W_state s_{i-1} (FFMA) ->
-//                          the last CTA of each row group (atomic ticket) sums the partials in a
-//                          fixed order and applies tanh -> s_i.
-//   2. hidden_step_kernel  h~_i = h_i + W_out s_i (FFMA, fp32 like the reference).
-//   3. norm_step_kernel    one CTA per row: rms over H, X_i = T((h~ * rs) * norm_w).
-//   4. lm_head_step_kernel the bandwidth-bound GEMM, below. Its epilogue writes the logits, does
-//                          the argmax (CTA max in shared memory, then one 64-bit atomicMax per
-//                          row into gmem), and the last CTA to finish (atomic ticket) decodes the
-//                          step's ids into draft_ids, where step i + 1's state kernel reads them.
-// Kernels 1-3 move ~9 MB and take a few microseconds each; with ~2 us launch gaps in a CUDA graph
-// they add ~3-5 % to the ~290 us step. A single persistent cooperative kernel with grid syncs
-// would save most of those gaps (3 grid barriers per step instead of 4 launches) at the price of
-// co-residency constraints and harder debugging; this multi-kernel form is the first version.
-//
-// lm_head GEMM (C[V, B] = W[V, H] . X[B, H]^T, B <= 64 per chunk; larger batches are chunked):
-//  * mma.sync m16n8k16 (bf16/fp16 -> fp32): V rows are the M side, the batch is N (1..8 n-tiles
-//    of 8), so all B rows share every W tile read: W is read once per step whatever B is.
-//    At B = 64 the step is 80 GFLOP, ~280 TFLOP/s at the floor: CUDA cores could not keep up.
-//  * W goes straight from global memory into MMA A-fragments, no shared memory: each thread
-//    loads 16 B (8 consecutive h) of rows g and g + 8 of a 16-row tile (g = lane / 4). The MMA's
-//    k order is a permutation we choose (a dot product is order-free), so the 8 elements at
-//    h0 + 8t .. +7 of thread t serve two k16 steps: logical k {2t, 2t+1, 2t+8, 2t+9} <- h0 + 8t +
-//    4q + {0,1,2,3} for step q. The B operand (X, from shared memory) uses the same permutation.
-//    Each warp load instruction covers 8 rows x 64 contiguous bytes: full 32 B sectors.
-//  * Loads use ld.global.nc.L1::no_allocate (streamed, not kept in L1) and are double-buffered in
-//    registers one sub-chunk ahead, so 32-64 KiB per SM are in flight (Little's law at 4.8 TB/s
-//    and ~0.8 us latency needs ~29 KiB per SM on 132 SMs).
-//  * X (the normalised hidden, [B, H] in T) is staged through shared memory in chunks of 256 h,
-//    double-buffered with cp.async, and shared by the 8 warps of a CTA. Row stride 256 + 32
-//    elements (576 B = 64 mod 128) makes the 16 B fragment reads of two rows per quarter-warp
-//    conflict-free.
-//  * Persistent grid: one CTA per SM (x occupancy); CTA c owns a contiguous, balanced range of
-//    16-row m-tiles (~72 for Qwen3-8B on 132 SMs). It sweeps that range with "big" passes (each
-//    warp MT = 2 or 4 m-tiles, i.e. 256-512 rows per CTA per pass over H, see BigTile) and
-//    finishes the remainder with "small" passes (1 m-tile per warp, wider register prefetch so
-//    the bytes in flight stay similar). This avoids the ~25 % tail that a 2.25-wave grid of
-//    512-row CTAs would have, while X is re-read from L2 only once per 256-512 rows (X L2
-//    traffic <= 25 % of the W bytes at B = 64, ~3 % at B = 8).
-//  * Expected: the lm_head kernel near the copy bandwidth for B <= 32 (~85-90 %); at B = 64 the
-//    tensor work (MMA issue + X fragment reads) overlaps less well (~70-80 %). Unmeasured here.
+// One persistent kernel (grid = SMs x occupancy, launched cooperatively so all CTAs are resident)
+// runs three phases per step, separated by grid barriers (a global counter, no host sync):
+//   1. STATE    W_s [s ; P[t]] split over (64 z-rows + the matching 64 c-rows) x k-slices; every
+//               CTA writes fp32 partials, and the LAST CTA of each row group (atomic ticket) sums
+//               the slices in a fixed order (deterministic), adds b_s and applies the gated update.
+//               t comes from the anchor / prime ids or from step k-1's argmax keys.
+//   2. READOUT  W_f [s' ; d_k] split the same way over 128-row groups x k-slices; the last CTA of a
+//               group adds b_f and rounds o to T.
+//   3. LOGITS   the bandwidth-bound part: o (b x r, T) is staged whole in shared memory (row stride
+//               r + 32 elements = 64 mod 128 B: conflict-free fragment reads); the V / 16 row tiles
+//               of W_o are split in contiguous balanced ranges over all warps of the grid (mean
+//               and max differ by < 1 tile: no tail wave). Each thread streams 16 B vectors of
+//               rows g and g + 8 straight into MMA A-fragments (ld.global.nc.L1::no_allocate,
+//               register double buffer one sub-stage ahead, across tile boundaries); the k order
+//               of the MMA is permuted so one 16 B load feeds two k16 steps (same permutation on
+//               the o side). Batch rows are the MMA's N side (1-8 n-tiles), so W_o is read once
+//               per step whatever b is. Epilogue: logits rounded through T and streamed out; the
+//               argmax key (order-preserving float bits << 32 | ~index) is reduced per thread,
+//               warp (shuffles), CTA (shared atomicMax) and grid (one 64-bit atomicMax per CTA and
+//               row): deterministic, ties -> smallest index like torch.argmax.
+// 3 grid barriers per step (+1 for priming): ~1-2 us each on an H200, ~5-15 % of the floor.
+// Data produced inside the kernel is read with ld.global.cg (L2), never through L1.
 // ==============================================================================================
 #include "dlite_common.cuh"
 #include "dlite_kernels.h"
@@ -69,48 +54,40 @@
 namespace dlite {
 namespace {
 
-constexpr int kThreads = 256;                  // 8 warps per CTA in every head kernel
+constexpr int kThreads = 256;             // 8 warps per CTA
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxBatch = 64;                  // batch rows per chunk = 8 n-tiles of 8
-constexpr int kChunk = 256;                    // h per X shared-memory stage (H % kChunk == 0)
-constexpr int kXPad = 32;                      // +64 B per X row: stride = 64 mod 128 B
-constexpr int kXStride = kChunk + kXPad;       // X smem row stride, elements
-constexpr int kSmallU = 4;                     // 16 B W vectors per row per sub-chunk, small pass
-constexpr int kStateRows = kWarps * 16;        // W_in / W_state rows per state CTA (1 m-tile/warp)
-constexpr int kHiddenCols = 64;                // h~ columns per hidden CTA
-constexpr int kBGroup = 8;                     // batch rows per CTA in the FFMA kernels
-constexpr int kMaxRank = 1024;                 // FFMA kernels keep [kBGroup, r] fp32 in smem
+constexpr int kMaxBatch = 64;             // batch rows per launch = 8 n-tiles of 8
+constexpr int kPad = 32;                  // +64 B per staged row: stride = 64 mod 128 B
+constexpr int kMaxSlice = 256;            // k elements per STATE / READOUT work unit (max)
+constexpr int kStateRows = 64;            // z rows per STATE row group (+ the 64 matching c rows)
+constexpr int kReadRows = kWarps * 16;    // o rows per READOUT row group
+constexpr int kMaxRank = 1024;
 constexpr uint32_t kAllLanes = 0xffffffffu;
 
-// Big-pass warp tile: MT m-tiles (16 rows each) x U 16 B vectors per row per register stage.
-// Registers: acc = MT * NT * 4 fp32, W double buffer = 2 * MT * 2 * U * 4; both must fit in 255
-// with the addressing (ptxas -v: no spills). Bytes in flight per warp = MT * 2 * U * 512.
-//   NT = 8: MT 2, U 2 -> 64 acc + 64 W regs, 4 KiB/warp in flight (MT 4 spilled at 255 regs)
-//   NT = 4: MT 4, U 1 -> 64 acc + 64 W regs, 4 KiB/warp
-//   NT <= 2: MT 4, U 2 -> <= 32 acc + 128 W regs, 8 KiB/warp
-template <int NT>
-struct BigTile {
-  static constexpr int MT = NT >= 8 ? 2 : 4;
-  static constexpr int U = NT == 4 ? 1 : 2;
-};
-
 // ------------------------------------------------------------------------- PTX wrappers
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // 16 B streaming load of weights: read-only, not allocated in L1, 256 B L2 prefetch.
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
+  return v;
+}
+
+// 16 B shared-memory load kept in program order with the (volatile) MMAs, so the compiler does not
+// hoist all of a stage's operand loads ahead of the MMAs (that costs ~100 registers at NT = 8).
+__device__ __forceinline__ uint4 ld_shared16(const void* p) {
+  uint4 v;
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a));
+  return v;
+}
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -147,11 +124,22 @@ struct Mma<__half> {
   }
 };
 
+// Both k16 steps of one 16 B vector pair: thread (g, t) holds elements 8t .. 8t+7 of rows g
+// (lo) and g + 8 (hi) and of batch column g of X (x). Logical k {2t, 2t+1, 2t+8, 2t+9} of step
+// q <- physical 8t + 4q + {0, 1, 2, 3}: the same permutation on both operands, so the dot product
+// is unchanged.
+template <typename T>
+__device__ __forceinline__ void mma_pair(float (&c)[4], const uint4& lo, const uint4& hi,
+                                         const uint4& x) {
+  Mma<T>::run(c, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+  Mma<T>::run(c, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+}
+
 // Orderable 64-bit argmax key: high word = float bits mapped to unsigned order, low word =
 // ~index, so the max key is the max value and, among equal values, the smallest index
 // (torch.argmax's choice). -0.0 is folded into +0.0 first (they compare equal in torch).
 __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t idx) {
-  v += 0.0f;  // -0 -> +0 (not an identity under IEEE, so the compiler keeps it)
+  v += 0.0f;  // -0 -> +0
   uint32_t u = __float_as_uint(v);
   u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return (static_cast<unsigned long long>(u) << 32) |
@@ -161,536 +149,498 @@ __device__ __forceinline__ int64_t argmax_key_index(unsigned long long key) {
   return static_cast<int64_t>(0xffffffffu - static_cast<uint32_t>(key & 0xffffffffull));
 }
 
-// ------------------------------------------------------------------------- X staging
-// xs: [NT * 8 rows][kXStride] in smem; rows[n] = &X[n][0] in gmem or nullptr (zero row).
-template <typename T, int NT>
-__device__ __forceinline__ void stage_x(T* xs, const T* const* rows, int h0) {
-  constexpr int kVecPerRow = kChunk / 8;  // 16 B vectors of 8 elements per row
-  for (int v = threadIdx.x; v < NT * 8 * kVecPerRow; v += kThreads) {
-    const int n = v / kVecPerRow, c = (v % kVecPerRow) * 8;
-    T* dst = xs + n * kXStride + c;
-    const T* src = rows[n];
-    if (src != nullptr) {
-      cp_async16(dst, src + h0 + c);
-    } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
+template <typename T>
+__device__ __forceinline__ T ldcg_t(const T* p) {  // one 16-bit element through L2
+  const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
+  T out;
+  *reinterpret_cast<unsigned short*>(&out) = u;
+  return out;
 }
 
-// ------------------------------------------------------------------------- GEMM pass
-// One warp computes acc[MT][NT][4] = A[row0 : row0 + 16 MT, k-range] . X[0 : 8 NT, k-range]^T
-// with all warps of the CTA sweeping the same k-range in lockstep (X staged once per CTA).
-// Fragment layout (m16n8k16, g = lane / 4, t = lane % 4):
-//   acc[mi][j][0..1] -> row row0 + 16 mi + g,     batch cols 8 j + 2 t + {0, 1}
-//   acc[mi][j][2..3] -> row row0 + 16 mi + g + 8, batch cols 8 j + 2 t + {0, 1}
-// Rows >= n_rows are clamped for the loads (their results are discarded by the caller).
-template <typename T, int NT, int MT, int U>
-struct GemmPass {
-  static constexpr int kSub = 32 * U;          // h per register stage (U x 16 B per row/thread)
-  static constexpr int kNSub = kChunk / kSub;  // register stages per X chunk
-  static_assert(kNSub % 2 == 0, "register double buffer needs an even number of sub-chunks");
-
-  __device__ __forceinline__ static void load_w(uint4 (&w)[MT][2][U], const T* const (&wrow)[MT][2],
-                                                int h) {
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int u = 0; u < U; ++u) w[mi][hf][u] = ld_stream(wrow[mi][hf] + h + 32 * u);
-  }
-
-  __device__ __forceinline__ static void mma_sub(float (&acc)[MT][NT][4],
-                                                 const uint4 (&w)[MT][2][U], const T* xs,
-                                                 int col0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        // X[8 j + g][col0 + 32 u + 8 t .. + 7]: the B fragments of both k16 steps
-        const uint4 x =
-            *reinterpret_cast<const uint4*>(xs + (j * 8 + g) * kXStride + col0 + 32 * u + 8 * t);
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          const uint4& lo = w[mi][0][u];  // row g
-          const uint4& hi = w[mi][1][u];  // row g + 8
-          Mma<T>::run(acc[mi][j], lo.x, hi.x, lo.y, hi.y, x.x, x.y);  // k16 step q = 0
-          Mma<T>::run(acc[mi][j], lo.z, hi.z, lo.w, hi.w, x.z, x.w);  // k16 step q = 1
-        }
-      }
-    }
-  }
-
-  // k-range [k0, k0 + nchunks * kChunk); xs = 2 stages of [NT * 8][kXStride].
-  __device__ __forceinline__ static void run(const T* __restrict__ A, int64_t n_rows, int lda,
-                                             int64_t row0, bool active, int k0, int nchunks,
-                                             T* xs, const T* const* xrows,
-                                             float (&acc)[MT][NT][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const T* wrow[MT][2];
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int64_t r = min(row0 + 16 * mi + 8 * hf + g, n_rows - 1);
-        wrow[mi][hf] = A + r * lda + 8 * t;
-      }
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[mi][j][c] = 0.f;
-
-    constexpr int kStage = NT * 8 * kXStride;  // elements per X stage
-    const int k_end = k0 + nchunks * kChunk;
-    uint4 w[2][MT][2][U];
-    stage_x<T, NT>(xs, xrows, k0);
-    cp_async_commit();
-    if (active) load_w(w[0], wrow, k0);
-    for (int c = 0; c < nchunks; ++c) {
-      if (c + 1 < nchunks) stage_x<T, NT>(xs + ((c + 1) & 1) * kStage, xrows, k0 + (c + 1) * kChunk);
-      cp_async_commit();  // possibly empty group: keeps the wait count uniform
-      cp_async_wait<1>();  // chunk c has landed (only chunk c + 1 may be in flight)
-      __syncthreads();
-      const T* xc = xs + (c & 1) * kStage;
-#pragma unroll
-      for (int s = 0; s < kNSub; ++s) {
-        const int h_next = k0 + c * kChunk + (s + 1) * kSub;
-        if (active && h_next < k_end) load_w(w[(s + 1) & 1], wrow, h_next);  // prefetch
-        if (active) mma_sub(acc, w[s & 1], xc, s * kSub);
-      }
-      __syncthreads();  // all warps are done with this stage before it is restaged
-    }
-  }
+// ------------------------------------------------------------------------- parameters
+template <typename T>
+struct HeadParams {
+  const T* d;            // [b, K, H] (chunk base)
+  const int64_t* anchor; // [b]
+  const int64_t* prime;  // [b] or nullptr
+  const T* emb;          // [V, r]
+  const T* w_s;          // [2r, 2r]
+  const T* b_s;          // [2r]
+  const T* w_f;          // [r, r + H]
+  const T* b_f;          // [r]
+  const T* w_o;          // [V, r]
+  int64_t* ids;          // [b, num_steps] (chunk base)
+  float* logits;         // [b, num_steps, V] (chunk base)
+  int B;                 // rows of this chunk (<= 64)
+  int K, H, r, num_steps, slice;
+  int64_t V;
+  // workspace
+  unsigned* barrier;            // [1]                  zeroed per launch
+  unsigned* tickets_s;          // [r / 64]             zeroed per launch, reset by their user
+  unsigned* tickets_f;          // [ceil(r / 128)]      "
+  unsigned long long* best;     // [num_steps][64]      zeroed per launch
+  float* part;                  // [slices][64][rows]   split-k partial sums
+  T* sbuf;                      // [2][64][r]           state ping-pong (T, like the reference)
+  T* obuf;                      // [64][r]              readout o (T)
 };
 
-// ------------------------------------------------------------------------- FFMA dot helper
-// Dot products of one weight row (n elements, T) with kBGroup fp32 rows ss[kBGroup][n] (smem).
-// Lanes split n in 16 B vectors; a reduce-scatter butterfly (9 shuffles instead of 8 x 5) leaves
-// the full dot with ss row (lane / 4) in every lane.
-template <typename T>
-__device__ __forceinline__ float dot_rows8(const T* __restrict__ wrow, const float* ss, int n) {
-  const int lane = threadIdx.x & 31;
-  float acc[kBGroup];
-#pragma unroll
-  for (int b = 0; b < kBGroup; ++b) acc[b] = 0.f;
-  for (int k = 8 * lane; k < n; k += 8 * 32) {
-    float wf[8];
-    unpack8<T>(*reinterpret_cast<const uint4*>(wrow + k), wf);
-#pragma unroll
-    for (int b = 0; b < kBGroup; ++b) {
-      const float4 s0 = *reinterpret_cast<const float4*>(ss + b * n + k);
-      const float4 s1 = *reinterpret_cast<const float4*>(ss + b * n + k + 4);
-      float a = acc[b];
-      a = fmaf(wf[0], s0.x, a);
-      a = fmaf(wf[1], s0.y, a);
-      a = fmaf(wf[2], s0.z, a);
-      a = fmaf(wf[3], s0.w, a);
-      a = fmaf(wf[4], s1.x, a);
-      a = fmaf(wf[5], s1.y, a);
-      a = fmaf(wf[6], s1.z, a);
-      a = fmaf(wf[7], s1.w, a);
-      acc[b] = a;
-    }
-  }
-  // halve the value set three times (lane bits 4, 3, 2 pick which half a lane keeps)
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const bool upper = lane & 16;
-    const float send = upper ? acc[i] : acc[i + 4];
-    acc[i] = (upper ? acc[i + 4] : acc[i]) + __shfl_xor_sync(kAllLanes, send, 16);
-  }  // acc[i] now holds row i + 4 * bit4
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const bool upper = lane & 8;
-    const float send = upper ? acc[i] : acc[i + 2];
-    acc[i] = (upper ? acc[i + 2] : acc[i]) + __shfl_xor_sync(kAllLanes, send, 8);
-  }  // acc[i] holds row i + 2 * bit3 + 4 * bit4
-  {
-    const bool upper = lane & 4;
-    const float send = upper ? acc[0] : acc[1];
-    acc[0] = (upper ? acc[1] : acc[0]) + __shfl_xor_sync(kAllLanes, send, 4);
-  }  // acc[0] holds row bit2 + 2 * bit3 + 4 * bit4 = lane / 4
-  acc[0] += __shfl_xor_sync(kAllLanes, acc[0], 2);
-  acc[0] += __shfl_xor_sync(kAllLanes, acc[0], 1);
-  return acc[0];
-}
-
-// ss[kBGroup][n] <- src rows b0 .. b0 + 7 (zeros past B); n % 4 == 0.
-__device__ __forceinline__ void load_rows8(float* ss, const float* __restrict__ src, int b0, int B,
-                                           int n) {
-  for (int idx = threadIdx.x * 4; idx < kBGroup * n; idx += kThreads * 4) {
-    const int b = idx / n;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (b0 + b < B) v = *reinterpret_cast<const float4*>(src + size_t(b0) * n + idx);
-    *reinterpret_cast<float4*>(ss + idx) = v;
-  }
-}
-
-// Workspace carve-up (per batch chunk of <= kMaxBatch rows; reused across chunks).
 struct Workspace {
-  unsigned long long* best;  // [K][kMaxBatch] argmax keys          (zeroed per chunk)
-  unsigned* lm_count;        // [K] lm_head CTA tickets                (zeroed)
-  unsigned* state_count;     // [K][n_rg] state CTA tickets            (zeroed)
-  size_t zero_bytes;         // bytes of the zeroed prefix
-  float* part_in;            // [H / kChunk][kMaxBatch][r]  W_in E partial sums
-  float* part_st;            // [kMaxBatch][r]              W_state s partial
-  float* state;              // [2][kMaxBatch][r]           s ping-pong
-  float* htil;               // [kMaxBatch][H]              h~ (fp32)
-  void* x;                   // [kMaxBatch][H]              normalised hidden (T)
-  size_t total_bytes;
+  size_t barrier, tickets_s, tickets_f, best, zero_bytes, part, sbuf, obuf, total;
 };
 
 size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
 
-Workspace carve(void* base, int K, int H, int r) {  // base == nullptr: sizes only
-  const int n_rg = (r + kStateRows - 1) / kStateRows;
-  const uintptr_t p = reinterpret_cast<uintptr_t>(base);
+int slice_for(int H, int r) {  // largest k-slice that divides both segments of every product
+  for (int s = kMaxSlice; s >= 64; s /= 2)
+    if (r % s == 0 && H % s == 0) return s;
+  return 64;
+}
+
+Workspace carve(int H, int r, int num_steps) {
+  Workspace w{};
   size_t off = 0;
-  Workspace ws{};
   auto take = [&](size_t bytes) {
-    void* q = reinterpret_cast<void*>(p + off);
+    const size_t at = off;
     off = align256(off + bytes);
-    return q;
+    return at;
   };
-  ws.best = reinterpret_cast<unsigned long long*>(take(size_t(K) * kMaxBatch * sizeof(unsigned long long)));
-  ws.lm_count = reinterpret_cast<unsigned*>(take(size_t(K) * sizeof(unsigned)));
-  ws.state_count = reinterpret_cast<unsigned*>(take(size_t(K) * n_rg * sizeof(unsigned)));
-  ws.zero_bytes = off;
-  ws.part_in = reinterpret_cast<float*>(take(size_t(H / kChunk) * kMaxBatch * r * sizeof(float)));
-  ws.part_st = reinterpret_cast<float*>(take(size_t(kMaxBatch) * r * sizeof(float)));
-  ws.state = reinterpret_cast<float*>(take(size_t(2) * kMaxBatch * r * sizeof(float)));
-  ws.htil = reinterpret_cast<float*>(take(size_t(kMaxBatch) * H * sizeof(float)));
-  ws.x = take(size_t(kMaxBatch) * H * sizeof(__half));  // bf16 or fp16: 2 bytes
-  ws.total_bytes = off;
-  return ws;
+  const int s = slice_for(H, r);
+  w.barrier = take(sizeof(unsigned));
+  w.tickets_s = take(size_t(r / kStateRows) * sizeof(unsigned));
+  w.tickets_f = take(size_t((r + kReadRows - 1) / kReadRows) * sizeof(unsigned));
+  w.best = take(size_t(std::max(num_steps, 1)) * kMaxBatch * sizeof(unsigned long long));
+  w.zero_bytes = off;
+  const size_t part_state = size_t(2 * r / s) * kMaxBatch * 2 * r;
+  const size_t part_read = size_t((r + H) / s) * kMaxBatch * r;
+  w.part = take(std::max(part_state, part_read) * sizeof(float));
+  w.sbuf = take(size_t(2) * kMaxBatch * r * 2);
+  w.obuf = take(size_t(kMaxBatch) * r * 2);
+  w.total = off;
+  return w;
 }
 
-// =============================================================== kernel 1: recurrent state s_i
-// grid: n_rg * (S + n_st) CTAs; S = H / kChunk split-K slices of W_in E (tensor cores), n_st =
-// ceil(B / 8) batch groups of W_state s_{i-1} (FFMA; 0 at step 0 where s_{-1} = 0).
-// dynamic smem: max(2 X stages, kBGroup * r fp32).
-template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads)
-state_step_kernel(const T* __restrict__ embed, int64_t embed_rows,
-                  const int64_t* __restrict__ anchor,  // [B]
-                  const int64_t* __restrict__ ids,     // [B, K] drafted so far
-                  const T* __restrict__ w_in,          // [r, H]
-                  const T* __restrict__ w_state,       // [r, r]
-                  int H, int r, int B, int K, int step, int n_st,
-                  float* __restrict__ part_in,         // [S][kMaxBatch][r]
-                  float* __restrict__ part_st,         // [kMaxBatch][r]
-                  const float* __restrict__ s_prev,    // [kMaxBatch][r]
-                  float* __restrict__ s_next,          // [kMaxBatch][r]
-                  unsigned* __restrict__ tickets) {    // [n_rg]
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ const T* xrows[NT * 8];
-  __shared__ bool is_last;
-  const int S = H / kChunk;
-  const int per_rg = S + n_st;
-  const int rg = blockIdx.x / per_rg, role = blockIdx.x % per_rg;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int rows_begin = rg * kStateRows, rows_end = min(r, rows_begin + kStateRows);
-
-  if (role < S) {
-    // ---- W_in E(x): rows [rows_begin, +128) x h-slice [role * 256, +256), tensor cores
-    if (threadIdx.x < NT * 8) {
-      const int b = threadIdx.x;
-      const T* p = nullptr;
-      if (b < B) {
-        int64_t id = step == 0 ? anchor[b] : ids[int64_t(b) * K + step - 1];
-        id = id < 0 ? 0 : (id >= embed_rows ? embed_rows - 1 : id);  // F.embedding would raise
-        p = embed + id * H;
-      }
-      xrows[b] = p;
-    }
-    __syncthreads();
-    float acc[1][NT][4];
-    const int row0 = rows_begin + warp * 16;
-    const bool active = row0 < rows_end;  // r % 16 == 0: a started m-tile is whole
-    GemmPass<T, NT, 1, kSmallU>::run(w_in, r, H, row0, active, role * kChunk, 1,
-                                     reinterpret_cast<T*>(smem_raw), xrows, acc);
-    if (active) {
-      float* dst = part_in + size_t(role) * kMaxBatch * r;
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int b = j * 8 + 2 * t + (c & 1);
-          const int row = row0 + g + 8 * (c >> 1);
-          if (b < B) dst[size_t(b) * r + row] = acc[0][j][c];
-        }
-    }
-  } else {
-    // ---- W_state s_{i-1}: rows [rows_begin, +128) x batch rows [b0, b0 + 8), FFMA in fp32
-    const int b0 = (role - S) * kBGroup;
-    float* ss = reinterpret_cast<float*>(smem_raw);
-    load_rows8(ss, s_prev, b0, B, r);
-    __syncthreads();
-    for (int row = rows_begin + warp; row < rows_end; row += kWarps) {
-      const float v = dot_rows8<T>(w_state + size_t(row) * r, ss, r);
-      if (t == 0 && b0 + g < B) part_st[size_t(b0 + g) * r + row] = v;
-    }
-  }
-
-  // ---- ticket: the last CTA of this row group reduces the partials and applies tanh
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&tickets[rg], 1u) == unsigned(per_rg - 1);
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const int n_rows = rows_end - rows_begin;
-  for (int idx = threadIdx.x; idx < n_rows * B; idx += kThreads) {
-    const int b = idx / n_rows, row = rows_begin + idx % n_rows;
-    float u = 0.f;
-    for (int s = 0; s < S; ++s) u += __ldcg(part_in + (size_t(s) * kMaxBatch + b) * r + row);
-    if (step > 0) u = __ldcg(part_st + size_t(b) * r + row) + u;  // W_state s + W_in E
-    s_next[size_t(b) * r + row] = tanhf(u);
-  }
-}
-
-// =============================================================== kernel 2: h~ = h + W_out s
-// grid: (H / kHiddenCols, ceil(B / 8)); dynamic smem: kBGroup * r fp32.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-hidden_step_kernel(const T* __restrict__ h,        // [B, K, H]
-                   const T* __restrict__ w_out,    // [H, r]
-                   const float* __restrict__ s,    // [kMaxBatch][r]
-                   float* __restrict__ htil,       // [kMaxBatch][H]
-                   int B, int K, int H, int r, int step) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* ss = reinterpret_cast<float*>(smem_raw);
-  const int b0 = blockIdx.y * kBGroup;
-  load_rows8(ss, s, b0, B, r);
-  __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int col_end = (blockIdx.x + 1) * kHiddenCols;
-  for (int col = blockIdx.x * kHiddenCols + warp; col < col_end; col += kWarps) {
-    const float v = dot_rows8<T>(w_out + size_t(col) * r, ss, r);
-    const int b = b0 + g;
-    if (t == 0 && b < B)
-      htil[size_t(b) * H + col] = to_float(h[(size_t(b) * K + step) * H + col]) + v;
-  }
-}
-
-// =============================================================== kernel 3: X = T(rmsnorm(h~) w)
-// grid: B; one CTA per row (H fp32 = 16 KiB read, H T written).
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-norm_step_kernel(const float* __restrict__ htil,  // [kMaxBatch][H]
-                 const T* __restrict__ norm_w,    // [H]
-                 T* __restrict__ x,               // [kMaxBatch][H]
-                 int H, float eps) {
-  __shared__ float warp_sums[kWarps];
-  __shared__ float rs_shared;
-  const float* row = htil + size_t(blockIdx.x) * H;
-  float ss = 0.f;
-  for (int c = threadIdx.x * 4; c < H; c += kThreads * 4) {
-    const float4 v = *reinterpret_cast<const float4*>(row + c);
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-  }
-  ss = warp_allreduce_sum(ss);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = ss;
+// ------------------------------------------------------------------------- grid barrier
+// All CTAs are co-resident (cooperative launch), the counter starts at 0 (memset per launch) and
+// only grows: barrier n waits until it reaches n * gridDim.x.
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned& target) {
+  target += gridDim.x;
   __syncthreads();
   if (threadIdx.x == 0) {
-    float total = 0.f;
-    for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
-    rs_shared = 1.f / sqrtf(total / float(H) + eps);  // rsqrt(mean(x^2) + eps), IEEE
+    __threadfence();
+    atomicAdd(counter, 1u);
+    while (ld_acquire(counter) < target) __nanosleep(64);
+    __threadfence();
   }
   __syncthreads();
-  const float rs = rs_shared;
-  T* out = x + size_t(blockIdx.x) * H;
-  for (int c = threadIdx.x; c < H; c += kThreads)
-    out[c] = from_float<T>(__fmul_rn(__fmul_rn(row[c], rs), to_float(norm_w[c])));
 }
 
-// =============================================================== kernel 4: lm_head + argmax
-template <typename T, int NT, int MT>
-__device__ __forceinline__ void lm_head_epilogue(const float (&acc)[MT][NT][4], int64_t row0,
-                                                 int64_t V, int B, int K, int step,
-                                                 float* __restrict__ logits,
-                                                 unsigned long long* sbest) {
+// ------------------------------------------------------------------------- X staging
+// xs[n][0 .. slice) <- row n of X over k in [k0, k0 + slice), where X = [seg0 (split wide) ;
+// seg1] and the slice lies in one segment; rows n >= B (and a null seg0: the zero state) are 0.
+template <typename T, int NT>
+__device__ __forceinline__ void stage_slice(T* xs, int xstride, const T* const* seg0,
+                                            const T* const* seg1, int split, int k0, int slice) {
+  const int vec_per_row = slice / 8;
+  for (int v = threadIdx.x; v < NT * 8 * vec_per_row; v += kThreads) {
+    const int n = v / vec_per_row, c = (v % vec_per_row) * 8;
+    const T* src = k0 < split ? seg0[n] : seg1[n];
+    const int kk = k0 < split ? k0 : k0 - split;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (src != nullptr) val = __ldcg(reinterpret_cast<const uint4*>(src + kk + c));
+    *reinterpret_cast<uint4*>(xs + n * xstride + c) = val;
+  }
+}
+
+// One warp: acc[NT][4] = A[row0 .. row0 + 16, k0 .. k0 + 32 nsub) . xs[0 .. 8 NT, 0 .. 32 nsub)^T
+// (rows clamped to n_rows - 1 for the loads; the caller drops them). W is loaded in groups of
+// kGroup sub-stages (kGroup x 2 x 16 B per thread in flight), the next group prefetched while the
+// current one feeds the MMAs.
+template <typename T, int NT>
+__device__ __forceinline__ void unit_gemm(const T* __restrict__ A, int lda, int n_rows, int row0,
+                                          int k0, int nsub, const T* xs, int xstride,
+                                          float (&acc)[NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const T* lo_row = A + size_t(min(row0 + g, n_rows - 1)) * lda + k0 + 8 * t;
+  const T* hi_row = A + size_t(min(row0 + g + 8, n_rows - 1)) * lda + k0 + 8 * t;
+  constexpr int kGroup = 2;
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
+  for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int b = j * 8 + 2 * t + e;
-      float* out = logits + (int64_t(b) * K + step) * V;
-      unsigned long long best = 0ull;
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+  uint4 lo[2][kGroup], hi[2][kGroup];
 #pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
+  for (int s = 0; s < kGroup; ++s) {
+    lo[0][s] = ld_stream(lo_row + 32 * s);
+    hi[0][s] = ld_stream(hi_row + 32 * s);
+  }
+  // nsub is a multiple of kGroup (slice >= 64); two groups per trip: constant buffer indices
+#pragma unroll 1
+  for (int s0 = 0; s0 < nsub; s0 += 2 * kGroup) {
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int64_t v = row0 + 16 * mi + 8 * hf + g;
-          const float val = round_through<T>(acc[mi][j][2 * hf + e]);
-          if (v < V) {
-            if (b < B) __stcs(out + v, val);  // streaming store: 4 rows x 32 B per instruction
-            const unsigned long long key = argmax_key(val, v);
-            best = key > best ? key : best;
+    for (int h = 0; h < 2; ++h) {
+      const int sg = s0 + h * kGroup;
+      if (sg < nsub) {
+        if (sg + kGroup < nsub) {
+#pragma unroll
+          for (int s = 0; s < kGroup; ++s) {
+            lo[h ^ 1][s] = ld_stream(lo_row + 32 * (sg + kGroup + s));
+            hi[h ^ 1][s] = ld_stream(hi_row + 32 * (sg + kGroup + s));
           }
         }
 #pragma unroll
-      for (int m = 4; m < 32; m <<= 1) {  // max over g (lanes with the same t)
-        const unsigned long long other = __shfl_xor_sync(kAllLanes, best, m);
-        best = other > best ? other : best;
+        for (int s = 0; s < kGroup; ++s)
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const uint4 x = ld_shared16(xs + (8 * j + g) * xstride + 32 * (sg + s) + 8 * t);
+            mma_pair<T>(acc[j], lo[h][s], hi[h][s], x);
+          }
       }
-      if (g == 0 && b < B) atomicMax(&sbest[b], best);
     }
   }
 }
 
-// grid: persistent, min(#SM * occupancy, ceil(m_tiles / 8)); dynamic smem: 2 X stages.
-template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads, 1)
-lm_head_step_kernel(const T* __restrict__ W,          // [V, H]
-                    int64_t V, int H,
-                    const T* __restrict__ x,          // [kMaxBatch][H] normalised hidden
-                    int B, int K, int step,
-                    float* __restrict__ logits,       // [B, K, V]
-                    unsigned long long* __restrict__ best,  // [kMaxBatch] (this step)
-                    unsigned* __restrict__ ticket,    // this step's CTA counter
-                    int64_t* __restrict__ ids) {      // [B, K]
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ const T* xrows[NT * 8];
-  __shared__ unsigned long long sbest[NT * 8];
-  __shared__ bool is_last;
-  if (threadIdx.x < NT * 8) {
-    xrows[threadIdx.x] = threadIdx.x < B ? x + size_t(threadIdx.x) * H : nullptr;
-    sbest[threadIdx.x] = 0ull;
-  }
-  __syncthreads();
-  T* xs = reinterpret_cast<T*>(smem_raw);
-  const int warp = threadIdx.x >> 5;
-  const int64_t m_tiles = (V + 15) / 16;
-  const int64_t tile_end = m_tiles * (blockIdx.x + 1) / gridDim.x;
-  int64_t tile = m_tiles * blockIdx.x / gridDim.x;
-  const int nchunks = H / kChunk;
+// Partials of one warp's 16 rows: part[(b) * row_stride + row] for b < B.
+template <int NT>
+__device__ __forceinline__ void store_partials(float* part, int row_stride, int row0, int n_rows,
+                                               int B, const float (&acc)[NT][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int col = 8 * j + 2 * t + (c & 1);
+      const int row = row0 + g + 8 * (c >> 1);
+      if (col < B && row < n_rows) __stcg(part + size_t(col) * row_stride + row, acc[j][c]);
+    }
+}
 
-  // big passes: 8 warps x MT m-tiles (256 or 512 rows) per sweep over H
-  constexpr int MT = BigTile<NT>::MT;
-  while (tile_end - tile >= int64_t(kWarps) * MT) {
-    float acc[MT][NT][4];
-    const int64_t row0 = (tile + int64_t(warp) * MT) * 16;
-    GemmPass<T, NT, MT, BigTile<NT>::U>::run(W, V, H, row0, true, 0, nchunks, xs, xrows, acc);
-    lm_head_epilogue<T, NT, MT>(acc, row0, V, B, K, step, logits, sbest);
-    tile += int64_t(kWarps) * MT;
-  }
-  // small passes for the remainder: one m-tile per warp, wider prefetch
-  while (tile < tile_end) {
-    float acc[1][NT][4];
-    const int64_t my_tile = tile + warp;
-    const bool active = my_tile < tile_end;
-    GemmPass<T, NT, 1, kSmallU>::run(W, V, H, my_tile * 16, active, 0, nchunks, xs, xrows, acc);
-    if (active) lm_head_epilogue<T, NT, 1>(acc, my_tile * 16, V, B, K, step, logits, sbest);
-    tile += kWarps;
-  }
-
-  // ---- publish this CTA's maxima; the last CTA decodes the step's ids
-  __syncthreads();
-  if (threadIdx.x < B) atomicMax(&best[threadIdx.x], sbest[threadIdx.x]);
+// Last-arriver ticket: true in every thread of the CTA that completed the group.
+__device__ __forceinline__ bool last_of_group(unsigned* ticket, unsigned n, bool* flag) {
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) *flag = atomicAdd(ticket, 1u) == n - 1;
   __syncthreads();
-  if (is_last && threadIdx.x < B) {
-    __threadfence();
-    const unsigned long long key = atomicMax(&best[threadIdx.x], 0ull);  // coherent read
-    ids[int64_t(threadIdx.x) * K + step] = argmax_key_index(key);
+  const bool last = *flag;
+  if (last) __threadfence();
+  return last;
+}
+
+// ------------------------------------------------------------------------- phase 1: STATE
+// mode 0: ids = prime, 1: ids = anchor, 2: ids = argmax of step `step - 1`.
+template <typename T, int NT>
+__device__ void state_phase(const HeadParams<T>& p, int mode, int step, const T* s_prev, T* s_out,
+                            T* xs, const T** seg0, const T** seg1, bool* flag) {
+  const int r = p.r, two_r = 2 * r;
+  __syncthreads();
+  if (threadIdx.x < NT * 8) {
+    const int b = threadIdx.x;
+    int64_t id = 0;
+    if (b < p.B) {
+      if (mode == 0) id = p.prime[b];
+      else if (mode == 1) id = p.anchor[b];
+      else id = argmax_key_index(__ldcg(p.best + size_t(step - 1) * kMaxBatch + b));
+      id = min(max(id, int64_t(0)), p.V - 1);  // out-of-range ids are clamped (no fault)
+    }
+    seg0[b] = (b < p.B && s_prev != nullptr) ? s_prev + size_t(b) * r : nullptr;
+    seg1[b] = b < p.B ? p.emb + size_t(id) * r : nullptr;
+  }
+  const int n_slices = two_r / p.slice, n_groups = r / kStateRows;
+  const int warp = threadIdx.x >> 5;
+  const int xstride = p.slice + kPad;
+  for (int u = blockIdx.x; u < n_groups * n_slices; u += gridDim.x) {
+    const int rg = u / n_slices, ks = u % n_slices;
+    __syncthreads();  // ids / seg pointers ready; previous unit done with xs
+    stage_slice<T, NT>(xs, xstride, seg0, seg1, r, ks * p.slice, p.slice);
+    __syncthreads();
+    const int row0 = warp < 4 ? rg * kStateRows + 16 * warp : r + rg * kStateRows + 16 * (warp - 4);
+    float acc[NT][4];
+    unit_gemm<T, NT>(p.w_s, two_r, two_r, row0, ks * p.slice, p.slice / 32, xs, xstride, acc);
+    store_partials<NT>(p.part + size_t(ks) * kMaxBatch * two_r, two_r, row0, two_r, p.B, acc);
+    if (last_of_group(p.tickets_s + rg, unsigned(n_slices), flag)) {
+      for (int i = threadIdx.x; i < p.B * kStateRows; i += kThreads) {
+        const int b = i / kStateRows, j = rg * kStateRows + i % kStateRows;
+        float z = 0.f, c = 0.f;
+        for (int q = 0; q < n_slices; ++q) {  // fixed order: deterministic
+          const float* pb = p.part + (size_t(q) * kMaxBatch + b) * two_r;
+          z += __ldcg(pb + j);
+          c += __ldcg(pb + r + j);
+        }
+        const float zt = round_through<T>(z + to_float(p.b_s[j]));
+        const float ct = round_through<T>(c + to_float(p.b_s[r + j]));
+        const float gate = round_through<T>(1.f / (1.f + expf(-zt)));
+        const float th = round_through<T>(tanhf(ct));
+        const float sp = s_prev != nullptr ? to_float(ldcg_t(s_prev + size_t(b) * r + j)) : 0.f;
+        const float keep = round_through<T>(gate * sp);
+        const float one_minus = round_through<T>(1.f - gate);
+        const float upd = round_through<T>(one_minus * th);
+        s_out[size_t(b) * r + j] = from_float<T>(keep + upd);
+      }
+      if (threadIdx.x == 0) p.tickets_s[rg] = 0u;  // next use is after a grid barrier
+    }
   }
 }
 
-// ------------------------------------------------------------------------- host side
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;  // default dynamic shared memory limit
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+// ------------------------------------------------------------------------- phase 2: READOUT
+template <typename T, int NT>
+__device__ void readout_phase(const HeadParams<T>& p, int step, const T* s_cur, T* xs,
+                              const T** seg0, const T** seg1, bool* flag) {
+  const int r = p.r, kdim = r + p.H;
+  __syncthreads();
+  if (threadIdx.x < NT * 8) {
+    const int b = threadIdx.x;
+    seg0[b] = b < p.B ? s_cur + size_t(b) * r : nullptr;
+    seg1[b] = b < p.B ? p.d + (size_t(b) * p.K + step) * p.H : nullptr;
+  }
+  const int n_slices = kdim / p.slice, n_groups = (r + kReadRows - 1) / kReadRows;
+  const int warp = threadIdx.x >> 5;
+  const int xstride = p.slice + kPad;
+  for (int u = blockIdx.x; u < n_groups * n_slices; u += gridDim.x) {
+    const int rg = u / n_slices, ks = u % n_slices;
+    __syncthreads();
+    stage_slice<T, NT>(xs, xstride, seg0, seg1, r, ks * p.slice, p.slice);
+    __syncthreads();
+    const int row0 = rg * kReadRows + 16 * warp;
+    float acc[NT][4];
+    unit_gemm<T, NT>(p.w_f, kdim, r, row0, ks * p.slice, p.slice / 32, xs, xstride, acc);
+    store_partials<NT>(p.part + size_t(ks) * kMaxBatch * r, r, row0, r, p.B, acc);
+    if (last_of_group(p.tickets_f + rg, unsigned(n_slices), flag)) {
+      for (int i = threadIdx.x; i < p.B * kReadRows; i += kThreads) {
+        const int b = i / kReadRows, j = rg * kReadRows + i % kReadRows;
+        if (j >= r) continue;
+        float o = 0.f;
+        for (int q = 0; q < n_slices; ++q) o += __ldcg(p.part + (size_t(q) * kMaxBatch + b) * r + j);
+        p.obuf[size_t(b) * r + j] = from_float<T>(o + to_float(p.b_f[j]));
+      }
+      if (threadIdx.x == 0) p.tickets_f[rg] = 0u;
+    }
+  }
 }
 
-#define DLITE_TRY(expr)                         \
-  do {                                          \
-    const cudaError_t err_ = (expr);            \
-    if (err_ != cudaSuccess) return err_;       \
+// ------------------------------------------------------------------------- phase 3: LOGITS
+// U = 16 B vectors per row and thread per register stage (sub-stage = 32 U k elements).
+template <typename T, int NT, int U>
+__device__ void logits_phase(const HeadParams<T>& p, int step, T* xs,
+                             unsigned long long* best_s) {
+  const int r = p.r;
+  const int xstride = r + kPad;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  __syncthreads();
+  // stage o (all r columns) once per CTA
+  const int vec_per_row = r / 8;
+  for (int v = threadIdx.x; v < NT * 8 * vec_per_row; v += kThreads) {
+    const int n = v / vec_per_row, c = (v % vec_per_row) * 8;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (n < p.B) val = __ldcg(reinterpret_cast<const uint4*>(p.obuf + size_t(n) * r + c));
+    *reinterpret_cast<uint4*>(xs + n * xstride + c) = val;
+  }
+  if (threadIdx.x < kMaxBatch) best_s[threadIdx.x] = 0ull;
+  __syncthreads();
+
+  // this warp's contiguous range of 16-row tiles
+  const int64_t n_tiles = (p.V + 15) / 16;
+  const int64_t gw = int64_t(blockIdx.x) * kWarps + warp, n_warps = int64_t(gridDim.x) * kWarps;
+  const int64_t tile_begin = gw * n_tiles / n_warps, tile_end = (gw + 1) * n_tiles / n_warps;
+  const int nsub = r / (32 * U);
+  const int64_t n_iter = (tile_end - tile_begin) * nsub;
+
+  unsigned long long keys[NT][2];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) keys[j][0] = keys[j][1] = 0ull;
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+
+  auto load = [&](uint4 (&w)[2][U], int64_t it) {
+    const int64_t tile = tile_begin + it / nsub;
+    const int sub = int(it % nsub);
+    const int64_t row_lo = min(tile * 16 + g, p.V - 1), row_hi = min(tile * 16 + g + 8, p.V - 1);
+    const T* plo = p.w_o + row_lo * r + sub * 32 * U + 8 * t;
+    const T* phi = p.w_o + row_hi * r + sub * 32 * U + 8 * t;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      w[0][u] = ld_stream(plo + 32 * u);
+      w[1][u] = ld_stream(phi + 32 * u);
+    }
+  };
+
+  uint4 w[2][2][U];
+  if (n_iter > 0) load(w[0], 0);
+  for (int64_t it = 0; it < n_iter; it += 2) {
+    // two iterations per loop trip so the register buffers are indexed by constants
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t cur = it + h;
+      if (cur < n_iter) {
+        if (cur + 1 < n_iter) load(w[h ^ 1], cur + 1);  // prefetch (may cross into the next tile)
+        const int sub = int(cur % nsub);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const uint4 x = ld_shared16(xs + (8 * j + g) * xstride + sub * 32 * U + 32 * u + 8 * t);
+            mma_pair<T>(acc[j], w[h][0][u], w[h][1][u], x);
+          }
+        if (sub == nsub - 1) {  // tile done: epilogue
+          const int64_t tile = tile_begin + cur / nsub;
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int col = 8 * j + 2 * t + (c & 1);
+              const int64_t row = tile * 16 + g + 8 * (c >> 1);
+              if (col < p.B && row < p.V) {
+                const float v = round_through<T>(acc[j][c]);
+                __stcs(p.logits + (size_t(col) * p.num_steps + step) * p.V + row, v);
+                const unsigned long long k = argmax_key(v, row);
+                keys[j][c & 1] = k > keys[j][c & 1] ? k : keys[j][c & 1];
+              }
+              acc[j][c] = 0.f;
+            }
+        }
+      }
+    }
+  }
+  // reduce over g (lanes with the same t hold the same columns), then CTA, then grid
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      unsigned long long k = keys[j][e];
+#pragma unroll
+      for (int m = 4; m < 32; m <<= 1) {
+        const unsigned long long o = __shfl_xor_sync(kAllLanes, k, m);
+        k = o > k ? o : k;
+      }
+      const int col = 8 * j + 2 * t + e;
+      if (g == 0 && col < p.B && k != 0ull) atomicMax(best_s + col, k);
+    }
+  __syncthreads();
+  if (threadIdx.x < p.B && best_s[threadIdx.x] != 0ull)
+    atomicMax(p.best + size_t(step) * kMaxBatch + threadIdx.x, best_s[threadIdx.x]);
+}
+
+// ------------------------------------------------------------------------- the kernel
+template <typename T, int NT, int U>
+__global__ void __launch_bounds__(kThreads, 1)
+sequential_head_kernel(const HeadParams<T> p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* xs = reinterpret_cast<T*>(smem_raw);
+  __shared__ const T* seg0[kMaxBatch];
+  __shared__ const T* seg1[kMaxBatch];
+  __shared__ unsigned long long best_s[kMaxBatch];
+  __shared__ bool flag;
+  unsigned target = 0;
+  const int r = p.r;
+
+  const T* s_prev = nullptr;
+  int buf = 0;
+  if (p.prime != nullptr) {  // s_0 = Phi(0, x_{a-1})
+    state_phase<T, NT>(p, 0, 0, nullptr, p.sbuf, xs, seg0, seg1, &flag);
+    grid_barrier(p.barrier, target);
+    s_prev = p.sbuf;
+    buf = 1;
+  }
+  for (int k = 0; k < p.num_steps; ++k) {
+    T* s_out = p.sbuf + size_t(buf) * kMaxBatch * r;
+    state_phase<T, NT>(p, k == 0 ? 1 : 2, k, s_prev, s_out, xs, seg0, seg1, &flag);
+    grid_barrier(p.barrier, target);
+    readout_phase<T, NT>(p, k, s_out, xs, seg0, seg1, &flag);
+    grid_barrier(p.barrier, target);
+    logits_phase<T, NT, U>(p, k, xs, best_s);
+    grid_barrier(p.barrier, target);
+    s_prev = s_out;
+    buf ^= 1;
+  }
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < p.B * p.num_steps; i += kThreads) {
+      const int b = i / p.num_steps, k = i % p.num_steps;
+      p.ids[i] = argmax_key_index(__ldcg(p.best + size_t(k) * kMaxBatch + b));
+    }
+  }
+}
+
+size_t smem_bytes(int nt, int r) {
+  const size_t rows = size_t(nt) * 8;
+  return std::max(rows * (r + kPad), rows * (kMaxSlice + kPad)) * 2;
+}
+
+#define DLITE_TRY(expr)                      \
+  do {                                       \
+    const cudaError_t err_ = (expr);         \
+    if (err_ != cudaSuccess) return err_;    \
   } while (0)
 
+template <typename T, int NT, int U>
+cudaError_t launch_chunk(const HeadParams<T>& p, cudaStream_t stream) {
+  auto kernel = sequential_head_kernel<T, NT, U>;
+  const size_t smem = smem_bytes(NT, p.r);
+  DLITE_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  int dev = 0, sms = 0, occ = 0;
+  DLITE_TRY(cudaGetDevice(&dev));
+  DLITE_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DLITE_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kThreads, smem));
+  if (occ < 1) return cudaErrorInvalidConfiguration;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(sms * std::min(occ, 2)));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // all CTAs resident: the grid barrier is safe
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 template <typename T, int NT>
-cudaError_t run_chunk(const SequentialHeadArgs& a, int b_begin, int Bc, const Workspace& ws,
-                      cudaStream_t stream) {
-  const int K = a.K, H = a.H, r = a.r;
-  const int64_t V = a.V;
-  const int S = H / kChunk;
-  const int n_rg = (r + kStateRows - 1) / kStateRows;
-  const int n_bg = (Bc + kBGroup - 1) / kBGroup;
-
-  const T* h = static_cast<const T*>(a.h) + size_t(b_begin) * K * H;
-  const int64_t* anchor = a.anchor + b_begin;
-  int64_t* ids = a.draft_ids + size_t(b_begin) * K;
-  float* logits = a.logits + size_t(b_begin) * K * V;
-  T* x = static_cast<T*>(ws.x);
-
-  DLITE_TRY(cudaMemsetAsync(ws.best, 0, ws.zero_bytes, stream));
-  if (a.poison_workspace)  // NaN everywhere a kernel must write before anything reads
-    DLITE_TRY(cudaMemsetAsync(ws.part_in, 0xff,
-                              ws.total_bytes - (reinterpret_cast<char*>(ws.part_in) -
-                                                reinterpret_cast<char*>(ws.best)),
-                              stream));
-
-  int device = 0, n_sm = 0, occ = 0;
-  DLITE_TRY(cudaGetDevice(&device));
-  DLITE_TRY(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device));
-  const size_t x_smem = size_t(2) * NT * 8 * kXStride * sizeof(T);
-  const size_t st_smem = size_t(kBGroup) * r * sizeof(float);
-  const size_t state_smem = std::max(x_smem, st_smem);
-
-  auto state_k = state_step_kernel<T, NT>;
-  auto hidden_k = hidden_step_kernel<T>;
-  auto norm_k = norm_step_kernel<T>;
-  auto lm_k = lm_head_step_kernel<T, NT>;
-  DLITE_TRY(allow_smem(state_k, state_smem));
-  DLITE_TRY(allow_smem(hidden_k, st_smem));
-  DLITE_TRY(allow_smem(lm_k, x_smem));
-  DLITE_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, lm_k, kThreads, x_smem));
-  const int64_t m_tiles = (V + 15) / 16;
-  const int lm_grid = int(std::max<int64_t>(
-      1, std::min<int64_t>(int64_t(n_sm) * std::max(occ, 1), (m_tiles + kWarps - 1) / kWarps)));
-
-  for (int step = 0; step < K; ++step) {
-    const int n_st = step == 0 ? 0 : n_bg;  // s_{-1} = 0: no W_state work at step 0
-    const float* s_prev = ws.state + size_t((step + 1) & 1) * kMaxBatch * r;
-    float* s_cur = ws.state + size_t(step & 1) * kMaxBatch * r;
-    state_k<<<n_rg * (S + n_st), kThreads, state_smem, stream>>>(
-        static_cast<const T*>(a.embed), a.embed_rows, anchor, ids,
-        static_cast<const T*>(a.w_in), static_cast<const T*>(a.w_state), H, r, Bc, K, step, n_st,
-        ws.part_in, ws.part_st, s_prev, s_cur, ws.state_count + size_t(step) * n_rg);
-    DLITE_TRY(cudaGetLastError());
-    hidden_k<<<dim3(H / kHiddenCols, n_bg), kThreads, st_smem, stream>>>(
-        h, static_cast<const T*>(a.w_out), s_cur, ws.htil, Bc, K, H, r, step);
-    DLITE_TRY(cudaGetLastError());
-    norm_k<<<Bc, kThreads, 0, stream>>>(ws.htil, static_cast<const T*>(a.norm_w), x, H, a.eps);
-    DLITE_TRY(cudaGetLastError());
-    lm_k<<<lm_grid, kThreads, x_smem, stream>>>(
-        static_cast<const T*>(a.lm_head), V, H, x, Bc, K, step, logits,
-        ws.best + size_t(step) * kMaxBatch, ws.lm_count + step, ids);
-    DLITE_TRY(cudaGetLastError());
-  }
-  return cudaSuccess;
+cudaError_t launch_u(const HeadParams<T>& p, cudaStream_t stream) {
+  return p.r % 128 == 0 ? launch_chunk<T, NT, 4>(p, stream) : launch_chunk<T, NT, 2>(p, stream);
 }
 
 template <typename T>
-cudaError_t run_typed(const SequentialHeadArgs& a, cudaStream_t stream) {
-  const Workspace ws = carve(a.workspace, a.K, a.H, a.r);
+cudaError_t launch_typed(const SequentialHeadArgs& a, cudaStream_t stream) {
+  const Workspace ws = carve(a.H, a.r, a.num_steps);
+  unsigned char* base = static_cast<unsigned char*>(a.workspace);
+  HeadParams<T> p{};
+  p.emb = static_cast<const T*>(a.emb);
+  p.w_s = static_cast<const T*>(a.w_s);
+  p.b_s = static_cast<const T*>(a.b_s);
+  p.w_f = static_cast<const T*>(a.w_f);
+  p.b_f = static_cast<const T*>(a.b_f);
+  p.w_o = static_cast<const T*>(a.w_o);
+  p.K = a.K;
+  p.H = a.H;
+  p.r = a.r;
+  p.num_steps = a.num_steps;
+  p.slice = slice_for(a.H, a.r);
+  p.V = a.V;
+  p.barrier = reinterpret_cast<unsigned*>(base + ws.barrier);
+  p.tickets_s = reinterpret_cast<unsigned*>(base + ws.tickets_s);
+  p.tickets_f = reinterpret_cast<unsigned*>(base + ws.tickets_f);
+  p.best = reinterpret_cast<unsigned long long*>(base + ws.best);
+  p.part = reinterpret_cast<float*>(base + ws.part);
+  p.sbuf = reinterpret_cast<T*>(base + ws.sbuf);
+  p.obuf = reinterpret_cast<T*>(base + ws.obuf);
   for (int b0 = 0; b0 < a.B; b0 += kMaxBatch) {
-    const int Bc = std::min(kMaxBatch, a.B - b0);
+    const int nb = std::min(kMaxBatch, a.B - b0);
+    DLITE_TRY(cudaMemsetAsync(base, 0, ws.zero_bytes, stream));
+    if (a.poison_workspace)
+      DLITE_TRY(cudaMemsetAsync(base + ws.zero_bytes, 0xff, ws.total - ws.zero_bytes, stream));
+    p.d = static_cast<const T*>(a.d) + size_t(b0) * a.K * a.H;
+    p.anchor = a.anchor + b0;
+    p.prime = a.prime != nullptr ? a.prime + b0 : nullptr;
+    p.ids = a.draft_ids + size_t(b0) * a.num_steps;
+    p.logits = a.logits + size_t(b0) * a.num_steps * size_t(a.V);
+    p.B = nb;
     cudaError_t err;
-    if (Bc <= 8) err = run_chunk<T, 1>(a, b0, Bc, ws, stream);
-    else if (Bc <= 16) err = run_chunk<T, 2>(a, b0, Bc, ws, stream);
-    else if (Bc <= 32) err = run_chunk<T, 4>(a, b0, Bc, ws, stream);
-    else err = run_chunk<T, 8>(a, b0, Bc, ws, stream);
-    if (err != cudaSuccess) return err;
+    if (nb <= 8) err = launch_u<T, 1>(p, stream);
+    else if (nb <= 16) err = launch_u<T, 2>(p, stream);
+    else if (nb <= 32) err = launch_u<T, 4>(p, stream);
+    else err = launch_u<T, 8>(p, stream);
+    DLITE_TRY(err);
   }
   return cudaSuccess;
 }
@@ -698,27 +648,26 @@ cudaError_t run_typed(const SequentialHeadArgs& a, cudaStream_t stream) {
 }  // namespace
 
 const char* sequential_head_unsupported(int H, int r, int64_t V, DType dtype) {
-  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return "lm_head dtype not bf16/fp16";
-  if (H <= 0 || H % kChunk != 0) return "hidden size not a multiple of 256";
-  if (r <= 0 || r % 16 != 0 || r > kMaxRank) return "rank not a multiple of 16 in [16, 1024]";
-  if (V <= 0 || V >= (int64_t(1) << 31)) return "vocabulary size out of range";
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return "head dtype not bf16/fp16";
+  if (r <= 0 || r % 64 != 0 || r > kMaxRank) return "rank not a multiple of 64 in 64..1024";
+  if (H <= 0 || H % 64 != 0) return "hidden size not a multiple of 64";
+  if (V <= 0 || V >= (int64_t(1) << 31)) return "vocabulary size not in 1 .. 2^31 - 1";
   return nullptr;
 }
 
-size_t sequential_head_workspace_bytes(int K, int H, int r) {
-  return carve(nullptr, K, H, r).total_bytes;
+size_t sequential_head_workspace_bytes(int H, int r, int num_steps) {
+  return carve(H, r, num_steps).total;
 }
 
 cudaError_t sequential_head_greedy_launch(const SequentialHeadArgs& a, cudaStream_t stream) {
-  if (sequential_head_unsupported(a.H, a.r, a.V, a.dtype) != nullptr || a.K <= 0)
-    return cudaErrorInvalidValue;
-  if (a.B == 0) return cudaSuccess;
-  int device = 0, major = 0;
-  DLITE_TRY(cudaGetDevice(&device));
-  DLITE_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major < 8) return cudaErrorNotSupported;  // mma.sync bf16 and cp.async need sm_80+
-  if (a.dtype == DType::kBFloat16) return run_typed<__nv_bfloat16>(a, stream);
-  return run_typed<__half>(a, stream);
+  if (sequential_head_unsupported(a.H, a.r, a.V, a.dtype) != nullptr) return cudaErrorInvalidValue;
+  if (a.B <= 0 || a.num_steps <= 0) return cudaSuccess;
+  if (a.num_steps > a.K) return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case DType::kFloat16: return launch_typed<__half>(a, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace dlite
