@@ -6,11 +6,14 @@ library ``vllm_dlite._C`` (``csrc/binding.cpp``), which registers them for the C
 with ``TORCH_LIBRARY_IMPL(dlite, CUDA, m)``. The CPU implementations call the PyTorch reference, so
 the op and the reference agree by construction on CPU.
 
-Ops:
-    ``dlite::draft_attention(q, k_feat, v_feat, k_block, v_block, cos, sin, float scale) -> Tensor``
-    ``dlite::sequential_head_greedy(h, anchor_ids, embed_weight, w_in, w_state, w_out,
-    norm_weight, lm_head_weight, float eps) -> (Tensor draft_ids, Tensor logits)``
-Semantics: :mod:`vllm_dlite.ops.reference` (``sequential_head`` with temperature 0, no forcing).
+Ops (format ``dlite_v1``; the ``_v1`` suffix keeps a stale build of the old kernels, which
+registered ``draft_attention`` / ``sequential_head_greedy``, from ever being picked):
+    ``dlite::draft_attention_v1(q, k_ctx, v_ctx, k_q, v_q, cos, sin, float scale) -> Tensor``
+    ``dlite::sequential_head_greedy_v1(d, anchor_ids, prime_ids?, prev_token_embedding,
+    state_proj_weight, state_proj_bias, hidden_mlp_weight, hidden_mlp_bias, output_proj_weight,
+    int num_steps) -> (Tensor draft_ids, Tensor logits)``
+Semantics: :mod:`vllm_dlite.ops.reference` (``draft_attention``; ``sequential_head`` with
+temperature 0).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from vllm_dlite.ops import reference
 
 NAMESPACE = "dlite"
 SCHEMAS = {
-    "draft_attention": (
-        "(Tensor q, Tensor k_feat, Tensor v_feat, Tensor k_block, Tensor v_block, Tensor cos, "
-        "Tensor sin, float scale) -> Tensor"
+    "draft_attention_v1": (
+        "(Tensor q, Tensor k_ctx, Tensor v_ctx, Tensor k_q, Tensor v_q, Tensor cos, Tensor sin, "
+        "float scale) -> Tensor"
     ),
-    "sequential_head_greedy": (
-        "(Tensor h, Tensor anchor_ids, Tensor embed_weight, Tensor w_in, Tensor w_state, "
-        "Tensor w_out, Tensor norm_weight, Tensor lm_head_weight, float eps) -> (Tensor, Tensor)"
+    "sequential_head_greedy_v1": (
+        "(Tensor d, Tensor anchor_ids, Tensor? prime_ids, Tensor prev_token_embedding, "
+        "Tensor state_proj_weight, Tensor state_proj_bias, Tensor hidden_mlp_weight, "
+        "Tensor hidden_mlp_bias, Tensor output_proj_weight, int num_steps) -> (Tensor, Tensor)"
     ),
 }
 EXTENSION = "vllm_dlite._C"
@@ -44,40 +48,42 @@ def _schema_exists(name: str) -> bool:
         return False
 
 
-def _draft_attention_fake(q, k_feat, v_feat, k_block, v_block, cos, sin, scale):
+def _draft_attention_fake(q, k_ctx, v_ctx, k_q, v_q, cos, sin, scale):
     return q.new_empty(q.shape)
 
 
-def _sequential_head_greedy_fake(
-    h, anchor_ids, embed_weight, w_in, w_state, w_out, norm_weight, lm_head_weight, eps
-):
-    B, K = h.shape[0], h.shape[1]
-    V = lm_head_weight.shape[0]
+def _sequential_head_greedy_fake(d, anchor_ids, prime_ids, prev_token_embedding,
+                                 state_proj_weight, state_proj_bias, hidden_mlp_weight,
+                                 hidden_mlp_bias, output_proj_weight, num_steps):
+    b = d.shape[0]
+    V = output_proj_weight.shape[0]
     return (
-        h.new_empty((B, K), dtype=torch.int64),
-        h.new_empty((B, K, V), dtype=torch.float32),
+        d.new_empty((b, num_steps), dtype=torch.int64),
+        d.new_empty((b, num_steps, V), dtype=torch.float32),
     )
 
 
-def _draft_attention_cpu(q, k_feat, v_feat, k_block, v_block, cos, sin, scale):
-    return reference.draft_attention(q, k_feat, v_feat, k_block, v_block, cos, sin, scale)
+def _draft_attention_cpu(q, k_ctx, v_ctx, k_q, v_q, cos, sin, scale):
+    return reference.draft_attention(q, k_ctx, v_ctx, k_q, v_q, cos, sin, scale)
 
 
-def _sequential_head_greedy_cpu(
-    h, anchor_ids, embed_weight, w_in, w_state, w_out, norm_weight, lm_head_weight, eps
-):
+def _sequential_head_greedy_cpu(d, anchor_ids, prime_ids, prev_token_embedding,
+                                state_proj_weight, state_proj_bias, hidden_mlp_weight,
+                                hidden_mlp_bias, output_proj_weight, num_steps):
     return reference.sequential_head(
-        h, anchor_ids, embed_weight, w_in, w_state, w_out, norm_weight, lm_head_weight, eps
+        d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias,
+        hidden_mlp_weight, hidden_mlp_bias, output_proj_weight, temperature=0.0,
+        num_steps=num_steps,
     )
 
 
 _FAKES = {
-    "draft_attention": _draft_attention_fake,
-    "sequential_head_greedy": _sequential_head_greedy_fake,
+    "draft_attention_v1": _draft_attention_fake,
+    "sequential_head_greedy_v1": _sequential_head_greedy_fake,
 }
 _CPU_IMPLS = {
-    "draft_attention": _draft_attention_cpu,
-    "sequential_head_greedy": _sequential_head_greedy_cpu,
+    "draft_attention_v1": _draft_attention_cpu,
+    "sequential_head_greedy_v1": _sequential_head_greedy_cpu,
 }
 
 _registration_error: Optional[str] = None

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from vllm_dlite.config import GREEDY_EPS
 from vllm_dlite.ops import cuda_ops, reference
 
 _ATTN_HEAD_DIMS = (32, 64, 128, 256)
@@ -23,9 +24,9 @@ _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ATTN_SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may opt into on sm_80 / sm_90
 _ATTN_WARPS = 8  # query rows per CTA (csrc/draft_attention.cu kAttnWarps)
 _HEAD_DTYPES = (torch.float16, torch.bfloat16)
-_HEAD_CHUNK = 256  # H must be a multiple of the kernel's X stage (csrc/sequential_head.cu kChunk)
-_HEAD_MAX_RANK = 1024  # csrc/sequential_head.cu kMaxRank
-_MIN_CAPABILITY = (8, 0)  # mma.sync bf16 + cp.async
+_HEAD_ALIGN = 64  # r and H must be multiples of this (csrc/sequential_head.cu k-slices, MMA tiles)
+_HEAD_MAX_RANK = 1024  # csrc/sequential_head.cu kMaxRank (o staged whole in shared memory)
+_MIN_CAPABILITY = (8, 0)  # mma.sync bf16
 
 _last: dict[str, str] = {}  # op -> "cuda" / "reference (<why>)" of the latest eager call
 _UNSET = object()
@@ -63,7 +64,8 @@ def _probe_library() -> Optional[str]:
         return None
     if ext_err is not None:
         return f"{cuda_ops.EXTENSION} not built: {ext_err.splitlines()[0]}"
-    return f"{cuda_ops.EXTENSION} imported but registered no CUDA kernels"
+    return (f"{cuda_ops.EXTENSION} imported but registered no dlite_v1 CUDA kernels "
+            "(a stale build of the old ops? rebuild it)")
 
 
 def _device_reason(tensors: list[torch.Tensor]) -> Optional[str]:
@@ -91,18 +93,18 @@ def _record(op: str, decision: str) -> None:
 
 
 # ------------------------------------------------------------------------------ draft attention
-def _attention_reason(q, k_feat, v_feat, k_block, v_block, cos, sin) -> Optional[str]:
-    tensors = [q, k_feat, v_feat, k_block, v_block, cos, sin]
+def _attention_reason(q, k_ctx, v_ctx, k_q, v_q, cos, sin) -> Optional[str]:
+    tensors = [q, k_ctx, v_ctx, k_q, v_q, cos, sin]
     if any(t.dim() != (2 if t is cos or t is sin else 4) for t in tensors):
         return "shape check"
-    B, K, Hq, D = q.shape
-    L, Hkv = k_feat.shape[1], k_feat.shape[2]
+    b, Q, Hq, D = q.shape
+    L, Hkv = k_ctx.shape[1], k_ctx.shape[2]
     if (
-        k_feat.shape != (B, L, Hkv, D)
-        or v_feat.shape != k_feat.shape
-        or k_block.shape != (B, K, Hkv, D)
-        or v_block.shape != k_block.shape
-        or cos.shape != (K + 1, D)
+        k_ctx.shape != (b, L, Hkv, D)
+        or v_ctx.shape != k_ctx.shape
+        or k_q.shape != (b, Q, Hkv, D)
+        or v_q.shape != k_q.shape
+        or cos.shape != (L + Q, D)
         or sin.shape != cos.shape
         or Hkv == 0
         or Hq % Hkv
@@ -117,113 +119,115 @@ def _attention_reason(q, k_feat, v_feat, k_block, v_block, cos, sin) -> Optional
         return "cos/sin not floating point"
     if D not in _ATTN_HEAD_DIMS:
         return f"head_dim {D} not in {_ATTN_HEAD_DIMS}"
-    if K == 0 or B > 65535:
-        return "block size 0 or batch > 65535"
-    if (2 * (L + K) * D + _ATTN_WARPS * (L + K)) * 4 > _ATTN_SMEM_LIMIT:
-        return "L + K too large"
-    if _misaligned([q, k_feat, v_feat, k_block, v_block]):
+    if Q == 0 or b > 65535:
+        return "no query slots or batch > 65535"
+    if (2 * (L + Q) * D + _ATTN_WARPS * (L + Q)) * 4 > _ATTN_SMEM_LIMIT:
+        return "L + Q too large"
+    if _misaligned([q, k_ctx, v_ctx, k_q, v_q]):
         return "inputs not 16-byte aligned"
     return None
 
 
 def draft_attention(
     q: torch.Tensor,
-    k_feat: torch.Tensor,
-    v_feat: torch.Tensor,
-    k_block: torch.Tensor,
-    v_block: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    k_q: torch.Tensor,
+    v_q: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Dispatched :func:`vllm_dlite.ops.reference.draft_attention` (same contract)."""
-    why = _attention_reason(q, k_feat, v_feat, k_block, v_block, cos, sin)
+    why = _attention_reason(q, k_ctx, v_ctx, k_q, v_q, cos, sin)
     if why is None:
         _record("draft_attention", "cuda")
-        return torch.ops.dlite.draft_attention(
-            q, k_feat, v_feat, k_block, v_block, cos, sin, float(scale)
-        )
+        return torch.ops.dlite.draft_attention_v1(q, k_ctx, v_ctx, k_q, v_q, cos, sin, float(scale))
     _record("draft_attention", f"reference ({why})")
-    return reference.draft_attention(q, k_feat, v_feat, k_block, v_block, cos, sin, scale)
+    return reference.draft_attention(q, k_ctx, v_ctx, k_q, v_q, cos, sin, scale)
 
 
 # ------------------------------------------------------------------------------ sequential head
-def _head_reason(
-    h, anchor_ids, embed_weight, w_in, w_state, w_out, norm_weight, lm_head_weight,
-    temperature, forced_ids,
-) -> Optional[str]:
-    if temperature != 0.0:
-        return "sampling (temperature > 0) runs the reference"
-    if forced_ids is not None:
-        return "teacher forcing runs the reference"
-    if h.dim() != 3 or w_in.dim() != 2 or lm_head_weight.dim() != 2 or embed_weight.dim() != 2:
+def _head_reason(d, anchor_ids, prime_ids, P, W_s, b_s, W_f, b_f, W_o, temperature,
+                 k_max) -> Optional[str]:
+    if d.dim() != 3 or W_o.dim() != 2:
         return "shape check"
-    B, K, H = h.shape
-    r = w_in.shape[0]
+    b, K, H = d.shape
     if (
-        anchor_ids.shape != (B,)
-        or w_in.shape != (r, H)
-        or w_state.shape != (r, r)
-        or w_out.shape != (H, r)
-        or norm_weight.shape != (H,)
-        or lm_head_weight.shape[1] != H
-        or embed_weight.shape[1] != H
+        not 0 <= k_max <= K
+        or anchor_ids.shape != (b,)
+        or (prime_ids is not None and prime_ids.shape != (b,))
+        or temperature < 0
     ):
-        return "shape check"
-    tensors = [h, anchor_ids, embed_weight, w_in, w_state, w_out, norm_weight, lm_head_weight]
+        return "shape check"  # the reference raises the documented ValueError
+    if temperature >= GREEDY_EPS:
+        return "sampling (temperature > 0): the kernel is greedy only"
+    tensors = [d, anchor_ids] + ([prime_ids] if prime_ids is not None else []) + [
+        P, W_s, b_s, W_f, b_f, W_o]
     why = _device_reason(tensors) or _library_reason()
     if why:
         return why
-    dt = lm_head_weight.dtype
-    if dt not in _HEAD_DTYPES:
-        return f"lm_head dtype {dt} not bf16/fp16"
-    if any(t.dtype != dt for t in (h, embed_weight, w_in, w_state, w_out, norm_weight)):
-        return "head tensors do not all have lm_head's dtype"
-    if anchor_ids.dtype != torch.int64:
-        return "anchor_ids not int64"
-    if H % _HEAD_CHUNK:
-        return f"hidden size {H} not a multiple of {_HEAD_CHUNK}"
-    if r % 16 or not 16 <= r <= _HEAD_MAX_RANK:
-        return f"rank {r} not a multiple of 16 in [16, {_HEAD_MAX_RANK}]"
-    if lm_head_weight.shape[0] >= 2**31:
-        return "vocabulary too large"
-    if not (lm_head_weight.is_contiguous() and embed_weight.is_contiguous()):
-        return "lm_head / embedding not contiguous"
-    if _misaligned([h, embed_weight, w_in, w_state, w_out, lm_head_weight]):
+    V, r = W_o.shape
+    if W_o.dtype not in _HEAD_DTYPES:
+        return f"output_proj dtype {W_o.dtype} not supported (bf16/fp16)"
+    if any(t.dtype != W_o.dtype for t in (P, W_s, b_s, W_f, b_f)):
+        return "head weights not all in output_proj's dtype"
+    if not d.dtype.is_floating_point:
+        return f"d dtype {d.dtype} not floating point"
+    if anchor_ids.dtype != torch.int64 or (prime_ids is not None and prime_ids.dtype != torch.int64):
+        return "anchor/prime ids not int64"
+    if (
+        P.shape != (V, r)
+        or W_s.shape != (2 * r, 2 * r)
+        or b_s.shape != (2 * r,)
+        or W_f.shape != (r, r + H)
+        or b_f.shape != (r,)
+    ):
+        return "head weight shapes (P [V, r], W_s [2r, 2r], W_f [r, r+H])"
+    if r % _HEAD_ALIGN or r > _HEAD_MAX_RANK:
+        return f"rank {r} not a multiple of {_HEAD_ALIGN} in {_HEAD_ALIGN}..{_HEAD_MAX_RANK}"
+    if H % _HEAD_ALIGN:
+        return f"hidden size {H} not a multiple of {_HEAD_ALIGN}"
+    if V >= 2**31:
+        return f"vocabulary {V} >= 2^31"
+    if not (W_o.is_contiguous() and P.is_contiguous()):
+        return "output_proj / prev_token_embedding not contiguous"
+    if _misaligned([P, W_s, W_f, W_o] + ([d] if d.dtype == W_o.dtype else [])):
         return "inputs not 16-byte aligned"
     return None
 
 
 def sequential_head(
-    h: torch.Tensor,
+    d: torch.Tensor,
     anchor_ids: torch.Tensor,
-    embed_weight: torch.Tensor,
-    w_in: torch.Tensor,
-    w_state: torch.Tensor,
-    w_out: torch.Tensor,
-    norm_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    eps: float,
+    prime_ids: Optional[torch.Tensor],
+    prev_token_embedding: torch.Tensor,
+    state_proj_weight: torch.Tensor,
+    state_proj_bias: torch.Tensor,
+    hidden_mlp_weight: torch.Tensor,
+    hidden_mlp_bias: torch.Tensor,
+    output_proj_weight: torch.Tensor,
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
-    forced_ids: Optional[torch.Tensor] = None,
+    num_steps: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatched :func:`vllm_dlite.ops.reference.sequential_head` (same contract). The CUDA op
-    covers the greedy, free-running case; sampling and teacher forcing use the reference."""
-    why = _head_reason(
-        h, anchor_ids, embed_weight, w_in, w_state, w_out, norm_weight, lm_head_weight,
-        temperature, forced_ids,
-    )
+    """Dispatched :func:`vllm_dlite.ops.reference.sequential_head` (same contract). The kernel
+    is greedy only: sampling (temperature >= GREEDY_EPS) uses the reference."""
+    k_max = (d.shape[1] if d.dim() == 3 else 0) if num_steps is None else int(num_steps)
+    why = _head_reason(d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight,
+                       state_proj_bias, hidden_mlp_weight, hidden_mlp_bias, output_proj_weight,
+                       temperature, k_max)
     if why is None:
         _record("sequential_head", "cuda")
-        return torch.ops.dlite.sequential_head_greedy(
-            h, anchor_ids, embed_weight, w_in, w_state, w_out, norm_weight, lm_head_weight,
-            float(eps),
+        return torch.ops.dlite.sequential_head_greedy_v1(
+            d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias,
+            hidden_mlp_weight, hidden_mlp_bias, output_proj_weight, k_max,
         )
     _record("sequential_head", f"reference ({why})")
     return reference.sequential_head(
-        h, anchor_ids, embed_weight, w_in, w_state, w_out, norm_weight, lm_head_weight, eps,
-        temperature=temperature, generator=generator, forced_ids=forced_ids,
+        d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias,
+        hidden_mlp_weight, hidden_mlp_bias, output_proj_weight,
+        temperature=temperature, generator=generator, num_steps=num_steps,
     )
 
 
