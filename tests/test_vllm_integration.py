@@ -222,10 +222,14 @@ def _set_dlite(key, value):
         ("missing_dir", FileNotFoundError, "DLite checkpoint directory not found"),
         ("missing_weights", FileNotFoundError, "model.safetensors is missing"),
         ("not_dlite", ValueError, "not a DLite checkpoint"),
-        ("hidden_mismatch", ValueError, "hidden_size=64"),
-        ("vocab_mismatch", ValueError, "vocab_size=384"),
-        ("layers_outside", ValueError, "reads target layers [7]"),
-        ("k_too_large", ValueError, "exceeds the DLite drafter's block size"),
+        ("wrong_version", ValueError, "architecture_version = 'dlite_v2' is not supported"),
+        ("layers_off_rule", ValueError, "requires the authors' layer-id rule"),
+        ("old_format", ValueError, "old vllm-dlite format"),
+        ("hidden_mismatch", ValueError, "has hidden_size=128"),
+        ("vocab_mismatch", ValueError, "has vocab_size=500"),
+        ("layers_mismatch", ValueError, "has 6 layers"),
+        ("mask_outside_vocab", ValueError, "mask_token_id = 384 is invalid"),
+        ("k_too_large", ValueError, "drafts K=4 tokens per round"),
         ("no_model", ValueError, 'needs "model"'),
         ("truncated", ValueError, "is truncated"),
         ("missing_tensor", ValueError, "missing tensors ['norm.weight']"),
@@ -244,16 +248,21 @@ def test_bad_config_errors(models, tmp_path, case, error, needle):
         spec = dlite(d)
     elif case == "not_dlite":
         spec = dlite(models.target)  # a plain Qwen3 directory
+    elif case == "wrong_version":
+        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("architecture_version", "dlite_v2")))
+    elif case == "layers_off_rule":
+        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("target_layer_ids", [0, 1, 3, 3])))
+    elif case == "old_format":
+        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", lambda c: c.update(
+            dlite_config={"target_layer_ids": [1, 2, 3, 4], "head_rank": 8, "block_size": 4})))
     elif case == "hidden_mismatch":
-        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("target_hidden_size", 128)))
+        cfg = dict(cfg, hidden_size=128)
     elif case == "vocab_mismatch":
-        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("target_vocab_size", 500)))
-    elif case == "layers_outside":
-        def edit(c):
-            c["dlite_config"]["target_layer_ids"] = [1, 2, 3, 7]
-            c["dlite_config"]["target_num_layers"] = 8
-            c["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3, 7]
-        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", edit))
+        cfg = dict(cfg, vocab_size=500)
+    elif case == "layers_mismatch":
+        cfg = dict(cfg, num_hidden_layers=6)
+    elif case == "mask_outside_vocab":
+        spec = dlite(_copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("mask_token_id", H.TARGET_VOCAB)))
     elif case == "k_too_large":
         spec = dlite(models.drafter, num_speculative_tokens=H.BLOCK_K + 1)
     elif case == "no_model":
@@ -274,8 +283,8 @@ def test_bad_config_error_surfaces_from_engine_args(models, tmp_path):
     from vllm.engine.arg_utils import EngineArgs
 
     plugin.register()
-    bad = _copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("target_vocab_size", 500))
-    with pytest.raises(ValueError, match="target_vocab_size=500"):
+    bad = _copy_ckpt(models.drafter, tmp_path / "d", _set_dlite("target_layer_ids", [0, 1, 3, 3]))
+    with pytest.raises(ValueError, match="requires the authors' layer-id rule"):
         EngineArgs(
             model=str(models.target), dtype="float32", max_model_len=256,
             speculative_config=dlite(bad),
@@ -283,12 +292,21 @@ def test_bad_config_error_surfaces_from_engine_args(models, tmp_path):
 
 
 # =========================================================================== end to end
+@pytest.fixture(scope="module")
+def g2(models):
+    """G = 2 drafters (x_{a-1} in the query and priming the head): random and copy."""
+    root = models.root
+    if not (root / "drafter_g2" / "config.json").exists():
+        H.make_random_drafter(root / "drafter_g2", models.target, seed=2, anchor_group_size=2)
+        H.make_copy_drafter(root / "copy_drafter_g2", models.target, anchor_group_size=2)
+    return {"random": root / "drafter_g2", "copy": root / "copy_drafter_g2"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
-def test_greedy_lossless_random_drafter(models, prompts, greedy, baseline, batch_size):
-    run = H.run_llm(
-        models.target, prompts, greedy, dlite(models.drafter), max_num_seqs=batch_size
-    )
+@pytest.mark.parametrize("G, batch_size", [(1, 1), (1, 4), (1, 16), (2, 4)])
+def test_greedy_lossless_random_drafter(models, g2, prompts, greedy, baseline, G, batch_size):
+    drafter = models.drafter if G == 1 else g2["random"]
+    run = H.run_llm(models.target, prompts, greedy, dlite(drafter), max_num_seqs=batch_size)
     assert run.drafter_types == ["DLiteProposer"]
     assert run.token_ids == baseline.token_ids
     assert run.metrics["vllm:spec_decode_num_drafts"] > 0
@@ -297,8 +315,10 @@ def test_greedy_lossless_random_drafter(models, prompts, greedy, baseline, batch
 
 
 @pytest.mark.slow
-def test_greedy_lossless_with_acceptances_and_metrics(models, prompts, greedy, baseline):
-    run = H.run_llm(models.target, prompts, greedy, dlite(models.copy_drafter), max_num_seqs=4)
+@pytest.mark.parametrize("G", [1, 2])
+def test_greedy_lossless_with_acceptances_and_metrics(models, g2, prompts, greedy, baseline, G):
+    drafter = models.copy_drafter if G == 1 else g2["copy"]
+    run = H.run_llm(models.target, prompts, greedy, dlite(drafter), max_num_seqs=4)
     assert run.token_ids == baseline.token_ids
     m = run.metrics
     drafts, drafted = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"]
@@ -312,52 +332,77 @@ def test_greedy_lossless_with_acceptances_and_metrics(models, prompts, greedy, b
 
 
 @pytest.mark.slow
-def test_served_features_and_drafts_match_hf(models, prompts, greedy):
-    """aux hidden states served by vLLM == HF's, and in-engine drafts == offline drafts."""
-    from vllm_dlite.model import load_drafter
+def test_fewer_speculative_tokens_run_fewer_head_steps(models, prompts, greedy, baseline):
+    """num_speculative_tokens = k < K: the drafter runs k head steps (drafts [B, k]), lossless."""
+    run = H.run_llm(models.target, prompts[:8], greedy, dlite(models.copy_drafter, num_speculative_tokens=2),
+                    max_num_seqs=4, record=True)
+    assert run.token_ids == baseline.token_ids[:8]
+    assert run.records and all(r["drafts"].shape[1] == 2 for r in run.records)
+    assert len(run.metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == 2
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
 
-    sub = prompts[:8]
-    run = H.run_llm(models.target, sub, greedy, dlite(models.drafter), max_num_seqs=4, record=True)
-    assert run.records
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(models.target))
-    drafter = load_drafter(models.drafter, dtype=torch.float32)
-    target = H.target_config(models.target)
+def _offline_drafter(drafter_dir: Path, target_dir: Path):
+    """The shipped-format drafter bound to the target's embedding and final norm (from files)."""
     from safetensors.torch import load_file
 
-    emb = load_file(str(models.target / "model.safetensors"))["model.embed_tokens.weight"]
-    drafter.bind_target(emb, emb)  # tied target
-    layer_ids = drafter.config.target_layer_ids
+    from vllm_dlite.model import load_drafter
+
+    w = load_file(str(target_dir / "model.safetensors"))
+    drafter = load_drafter(drafter_dir, dtype=torch.float32)
+    drafter.bind_target(w["model.embed_tokens.weight"], w["model.norm.weight"],
+                        H.target_config(target_dir)["rms_norm_eps"])
+    return drafter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("G", [1, 2])
+def test_served_features_and_drafts_match_hf(models, g2, prompts, greedy, G):
+    """aux hidden states served by vLLM == HF's at a-1, the G tokens vLLM hands the drafter are
+    the sequence's x_{a-G+1..a}, and in-engine drafts == offline drafts."""
+    from transformers import AutoTokenizer
+
+    drafter_dir = models.drafter if G == 1 else g2["random"]
+    sub = prompts[:8]
+    run = H.run_llm(models.target, sub, greedy, dlite(drafter_dir), max_num_seqs=4, record=True)
+    assert run.records
+    tok = AutoTokenizer.from_pretrained(str(models.target))
+    drafter = _offline_drafter(drafter_dir, models.target)
+    aux = drafter.config.aux_layer_ids
     seqs = []
+    hf_model = H._hf_model(str(models.target))
     for p, out in zip(sub, run.token_ids):
         ids = tok(p)["input_ids"] + out
-        seqs.append((ids, H.hf_features(models.target, ids, layer_ids)))
+        # a request's last round may accept past max_tokens (vLLM truncates the output, its
+        # discarded drafts start from the untruncated anchor): extend greedily with HF
+        with torch.no_grad():
+            ids = hf_model.generate(torch.tensor([ids]), max_new_tokens=H.BLOCK_K + 1, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0].tolist()
+        seqs.append((ids, H.hf_features(models.target, ids, aux)))
 
-    matched = 0
-    max_err = 0.0
+    matched, max_err = 0, 0.0
     for rec in run.records:
-        B = rec["anchors"].shape[0]
-        feats = rec["features"].view(B, len(layer_ids), target["hidden_size"])
+        B = rec["group_ids"].shape[0]
+        assert rec["group_ids"].shape[1] == G and rec["group_lens"] is None
+        feats = rec["features"].view(B, len(aux), H.TARGET_HIDDEN)
         for b in range(B):
-            a = int(rec["anchors"][b])
+            group = rec["group_ids"][b].tolist()
             best = None
             for ids, hf in seqs:
-                for t in range(1, len(ids)):
-                    if ids[t] != a:
+                for t in range(G, len(ids)):  # anchor at t: group = ids[t-G+1..t]
+                    if ids[t - G + 1: t + 1] != group:
                         continue
                     err = (hf[t - 1] - feats[b]).abs().max().item()
                     if best is None or err < best[0]:
                         best = (err, hf[t - 1])
-            assert best is not None, f"anchor {a} not found in any sequence"
+            assert best is not None, f"tokens {group} not found in any sequence"
             assert best[0] < 1e-3 * max(1.0, feats[b].abs().max().item()), best[0]
             max_err = max(max_err, best[0])
-            offline = drafter.draft(best[1][None], torch.tensor([a])).token_ids[0]
+            offline = drafter.draft(best[1][None], torch.tensor([group])).token_ids[0]
             assert offline.tolist() == rec["drafts"][b].tolist()
             matched += 1
-    # one drafting row per request per step (random drafter: ~no acceptances)
-    assert matched >= len(sub) * (MAX_TOKENS - 1)
-    print(f"matched {matched} drafting rows, max |vLLM - HF| feature error {max_err:.2e}")
+    assert matched >= len(sub) * (MAX_TOKENS - 1)  # one row per request per step (few acceptances)
+    print(f"G={G}: matched {matched} drafting rows, max |vLLM - HF| feature error {max_err:.2e}")
 
 
 @pytest.mark.slow
@@ -404,39 +449,42 @@ def test_probabilistic_drafts_mixed_batch(models, prompts, baseline):
 
 
 # =========================================================================== Model Runner V2
-def test_v2_speculator_on_cpu_with_fake_batch(models):
-    """DLiteSpeculator (Model Runner V2) is created by the wrapped init_speculator; its row/anchor
+@pytest.mark.parametrize("G", [1, 2])
+def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
+    """DLiteSpeculator (Model Runner V2) is created by the wrapped init_speculator; its row/token
     gathering and drafting are checked on CPU against the offline drafter (no GPU here)."""
     from types import SimpleNamespace
 
     import vllm.v1.worker.gpu.spec_decode as spec_decode
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_dlite.model import load_drafter
     from vllm_dlite.vllm.draft_model import DFlashDLiteDraftModel
     from vllm_dlite.vllm.speculator_v2 import DLiteSpeculator
 
+    drafter_dir = models.drafter if G == 1 else g2["random"]
     plugin.register()
     config = EngineArgs(
         model=str(models.target), dtype="float32", max_model_len=256, max_num_seqs=8,
-        speculative_config=dlite(models.drafter),
+        speculative_config=dlite(drafter_dir),
     ).create_engine_config()
     spec = spec_decode.init_speculator(config, torch.device("cpu"), None)
     assert isinstance(spec, DLiteSpeculator)
     spec.model = DFlashDLiteDraftModel(vllm_config=config)
-    emb = torch.randn(H.TARGET_VOCAB, H.TARGET_HIDDEN)
-    target = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=emb)),
-                             lm_head=SimpleNamespace(weight=emb))
+    drafter = _offline_drafter(drafter_dir, models.target)
+    norm = SimpleNamespace(weight=drafter._final_norm_weight, variance_epsilon=drafter._final_norm_eps)
+    target = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=drafter.embed_weight), norm=norm))
     spec.model.bind_target_model(target)
     spec.init_cudagraph_manager(None)
     assert spec.graphs is None and spec.draft_attn_layer_names == set()
 
     # batch: req0 decode (4 drafts, 2 rejected), req1 prefill (6 rows), req2 partial prefill chunk
-    L, Hs = len(spec.dlite_config.target_layer_ids), H.TARGET_HIDDEN
+    L = len(spec.dlite_config.target_layer_ids)
     qsl = torch.tensor([0, 5, 11, 14], dtype=torch.int32)
     num_tokens = int(qsl[-1])
-    aux = [torch.randn(num_tokens, Hs) for _ in range(L)]
-    batch = SimpleNamespace(num_reqs=3, query_start_loc=qsl, idx_mapping=torch.tensor([5, 0, 2], dtype=torch.int32))
+    aux = [torch.randn(num_tokens, H.TARGET_HIDDEN) for _ in range(L)]
+    input_ids = torch.arange(num_tokens, dtype=torch.int32) + 40
+    batch = SimpleNamespace(num_reqs=3, query_start_loc=qsl, input_ids=input_ids,
+                            idx_mapping=torch.tensor([5, 0, 2], dtype=torch.int32))
     num_sampled = torch.tensor([3, 1, 0], dtype=torch.int32)
     num_rejected = torch.tensor([2, 0, 0], dtype=torch.int32)
     last_sampled = torch.arange(8) + 100
@@ -444,10 +492,11 @@ def test_v2_speculator_on_cpu_with_fake_batch(models):
     drafts = spec.propose(batch, {}, {}, aux[-1], aux, num_sampled, num_rejected, last_sampled,
                           next_prefill, torch.zeros(8), torch.zeros(8, dtype=torch.long))
     rows, anchors = [2, 10, 13], [105, 100, 202]
-    drafter = load_drafter(models.drafter, dtype=torch.float32)
-    drafter.bind_target(emb, emb)
     feats = torch.stack([torch.stack([a[r] for a in aux]) for r in rows])
-    expected = drafter.draft(feats, torch.tensor(anchors))
+    group = torch.tensor(anchors)[:, None]
+    if G == 2:  # x_{a-1} = the input token of the feature row
+        group = torch.cat([input_ids[rows].long()[:, None], group], dim=1)
+    expected = drafter.draft(feats, group)
     assert drafts.tolist() == expected.token_ids.tolist()
 
     # probabilistic drafting: pre-temperature logits land in draft_logits[req_state]
@@ -468,12 +517,10 @@ def test_v2_speculator_on_cpu_with_fake_batch(models):
 
 
 @pytest.mark.slow
-def test_untied_target_shares_embed_and_lm_head(tmp_path_factory, greedy):
-    """Untied target: the drafter must use the target's embed_tokens for inputs and its lm_head
-    for logits (checked by comparing in-engine drafts with the offline drafter)."""
+def test_untied_target_shares_only_embedding_and_final_norm(tmp_path_factory, greedy):
+    """Untied target: the drafter uses the target's embed_tokens (not its lm_head) and final norm
+    (checked by comparing in-engine drafts with the offline drafter bound to those tensors)."""
     from safetensors.torch import load_file
-
-    from vllm_dlite.model import load_drafter
 
     root = tmp_path_factory.mktemp("untied")
     target = H.make_tiny_target(root / "target", tie_word_embeddings=False, seed=3)
@@ -484,13 +531,12 @@ def test_untied_target_shares_embed_and_lm_head(tmp_path_factory, greedy):
     assert run.token_ids == base.token_ids
     w = load_file(str(target / "model.safetensors"))
     assert not torch.equal(w["model.embed_tokens.weight"], w["lm_head.weight"])
-    drafter = load_drafter(drafter_dir, dtype=torch.float32)
-    drafter.bind_target(w["model.embed_tokens.weight"], w["lm_head.weight"])
+    drafter = _offline_drafter(drafter_dir, target)
     n = 0
     for rec in run.records:
-        B = rec["anchors"].shape[0]
+        B = rec["group_ids"].shape[0]
         feats = rec["features"].view(B, len(drafter.config.target_layer_ids), -1)
-        offline = drafter.draft(feats, rec["anchors"]).token_ids
+        offline = drafter.draft(feats, rec["group_ids"]).token_ids
         assert offline.tolist() == rec["drafts"].tolist()
         n += B
     assert n > 0
