@@ -5,16 +5,18 @@ Qwen3-8B shapes, CALCULATED (no GPU needed; the bandwidth is the one measured on
     .venv/bin/python benchmarks/tp_placement.py [--tp 1 2 4 8] [--collective-us 10] [--json F]
 
 Terms:
-* ``drafter``: the DLite checkpoint's own weights (feature norms, depth embedding, backbone layers,
-  sequential head), counted from a meta-device ``DLiteDrafter`` with the paper's Qwen3-8B sizes
-  (5 layers of width 4096, 32/8 heads of 128, SwiGLU 12288, 14 feature layers, head rank 512, K 7).
-* ``shared``: the target's ``embed_tokens`` and ``lm_head`` (Qwen3-8B does not tie them), each
-  ``[151,936, 4,096]``; vLLM shards both over the vocabulary (``VocabParallelEmbedding``).
+* ``drafter``: the dlite_v1 checkpoint's own weights (context norm, depth embedding, backbone
+  layers, sequential head with its own ``[V, r]`` embedding and output projection), counted from a
+  meta-device ``DLiteDrafter`` with the paper's Qwen3-8B sizes (5 layers of width 4096, 32/8 heads
+  of 128, SwiGLU 12288, 14 feature layers, head rank 512, B 8 = K 7 + the anchor).
+* ``shared``: the target's ``embed_tokens`` ``[151,936, 4,096]`` (dlite_v1 never reads the
+  target's lm_head); vLLM shards it over the vocabulary (``VocabParallelEmbedding``).
 * ``extra GB/rank``: memory each rank spends on DLite beyond what the target already holds (it
   comes out of that rank's KV pool; ``KV tokens lost`` divides by Qwen3-8B's KV bytes per token
   per rank: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes / TP).
-* ``head ms``: one round's sequential head = K lm_head reads at batch 1, at the bandwidth the fused
-  op achieved on the H200 (``benchmarks/results/gpu_kernels_h200.json``, CUDA graph, batch 1).
+* ``head ms``: one round's sequential head = K reads of its own ``[V, r]`` output projection at
+  batch 1, at the bandwidth the earlier fused head op achieved on the H200
+  (``benchmarks/results/gpu_kernels_h200.json``, CUDA graph, batch 1).
   ``backbone ms``: one read of the backbone weights at the same bandwidth.
 * ``collectives``: per round; each costs ``--collective-us`` (an ASSUMED small-message latency,
   not measured here).
@@ -23,8 +25,9 @@ Placements:
 * ``replicate`` (what vllm-dlite does): every rank holds the whole drafter and a full copy of the
   shared matrices (all-gathered once at load); drafting needs no collective and runs the fused
   head op over the whole vocabulary.
-* ``shard-vocab``: drafter replicated, the head uses the target's vocabulary shards: per step a
-  distributed argmax (all-reduce) and an embedding lookup (all-reduce), 2K collectives per round.
+* ``shard-vocab``: the head's ``[V, r]`` tables and the embedding sharded over the vocabulary: per
+  step a distributed argmax (all-reduce) and an embedding lookup (all-reduce), 2K collectives per
+  round.
 * ``shard-all``: also the backbone's linear layers tensor-parallel (2 all-reduces per layer).
 """
 
@@ -39,22 +42,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 QWEN3_8B = dict(hidden=4096, vocab=151_936, layers=36, kv_heads=8, head_dim=128, tied=False)
-DRAFTER_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=12288,
-                  num_layers=5, block_size=7, head_rank=512)
+DRAFTER_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  intermediate_size=12288, num_hidden_layers=5, block_size=8, sequential_rank=512)
 BYTES = 2  # bf16
 
 
 def drafter_parameters() -> int:
     import torch
 
-    from vllm_dlite.config import DLiteConfig
+    from vllm_dlite.config import DLiteConfig, build_target_layer_ids
     from vllm_dlite.model import DLiteDrafter
 
-    cfg = DLiteConfig(target_layer_ids=[1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 33, 35, 36], **DRAFTER_8B,
-                      mask_token_id=0, target_hidden_size=QWEN3_8B["hidden"],
-                      target_vocab_size=QWEN3_8B["vocab"], target_num_layers=QWEN3_8B["layers"])
+    cfg = DLiteConfig(target_layer_ids=build_target_layer_ids(QWEN3_8B["layers"], 14), **DRAFTER_8B,
+                      mask_token_id=0, vocab_size=QWEN3_8B["vocab"], num_target_layers=QWEN3_8B["layers"])
     with torch.device("meta"):
-        model = DLiteDrafter.from_config(cfg, own_embeddings=False)
+        model = DLiteDrafter(cfg)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -72,25 +74,25 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    K = DRAFTER_8B["block_size"]
+    K = DRAFTER_8B["block_size"] - 1
     H, V = QWEN3_8B["hidden"], QWEN3_8B["vocab"]
-    matrix = V * H * BYTES
-    shared = matrix * (1 if QWEN3_8B["tied"] else 2)
+    matrix = V * DRAFTER_8B["sequential_rank"] * BYTES  # the head's output projection, read per step
+    shared = V * H * BYTES  # the target's embed_tokens
     drafter = drafter_parameters() * BYTES
     bw = measured_head_bandwidth()
     kv_per_token = QWEN3_8B["layers"] * QWEN3_8B["kv_heads"] * QWEN3_8B["head_dim"] * 2 * BYTES
     coll = args.collective_us / 1000
-    print(f"Qwen3-8B: embed_tokens + lm_head {shared / 1e9:.3f} GB ({'tied' if QWEN3_8B['tied'] else 'untied'}, bf16); "
+    print(f"Qwen3-8B: embed_tokens {shared / 1e9:.3f} GB (bf16); "
           f"DLite drafter {drafter / 1e9:.3f} GB ({drafter // BYTES:,} parameters); head bandwidth "
           f"{bw / 1e12:.2f} TB/s (measured, H200); collective {args.collective_us:g} us (assumed)")
     rows = []
     for tp in args.tp:
         head_full = K * matrix / bw * 1000
         backbone = drafter / bw * 1000
-        layers = DRAFTER_8B["num_layers"]
+        layers = DRAFTER_8B["num_hidden_layers"]
         options = {
             "replicate": dict(extra=drafter + shared * (1 - 1 / tp), head=head_full, backbone=backbone, collectives=0),
-            "shard-vocab": dict(extra=drafter, head=head_full / tp, backbone=backbone,
+            "shard-vocab": dict(extra=drafter - 2 * matrix * (1 - 1 / tp), head=head_full / tp, backbone=backbone,
                                 collectives=2 * K if tp > 1 else 0),
             "shard-all": dict(extra=drafter / tp, head=head_full / tp, backbone=backbone / tp,
                               collectives=(2 * K + 2 * layers) if tp > 1 else 0),

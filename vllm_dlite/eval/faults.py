@@ -1,6 +1,6 @@
 """Damaged drafter checkpoints, the ways ``model.safetensors`` gets broken in practice (an
 interrupted copy, a stale export, a bad conversion). The config-time checkpoint check
-(:func:`vllm_dlite.model.drafter.check_weights_file`) must name each one; the tests and
+(:func:`vllm_dlite.model.checkpoint.check_checkpoint`) must name each one; the tests and
 ``benchmarks/serve_load.py`` build their cases here."""
 
 from __future__ import annotations
