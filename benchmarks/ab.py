@@ -5,7 +5,7 @@
         --methods none,ngram,suffix,eagle3,dflash,dlite --out results/ab-agentic
 
 Contract:
-* every assistant turn of every session in ``--workload`` (any file in the DESIGN.md section 5
+* every assistant turn of every session in ``--workload`` (any file in the docs/design.md §6
   format) becomes one request, its prompt rendered with the target's chat template and tools
   (``vllm_dlite.workloads.replay``); ``--max-requests N`` keeps N of them spread evenly over the
   file (for slow machines; the default keeps all);
@@ -205,7 +205,7 @@ def write_plots(out: Path, results: dict, concurrency: list[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", required=True, help="sessions JSONL (DESIGN.md section 5)")
+    ap.add_argument("--workload", required=True, help="sessions JSONL (docs/design.md §6)")
     ap.add_argument("--methods", default="none,ngram,suffix,eagle3,dflash,dlite")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor_parallel_size < 1:
         ap.error("--tensor-parallel-size must be >= 1")
     if not Path(args.workload).is_file():
-        ap.error(f"--workload: {args.workload} does not exist (a sessions JSONL, DESIGN.md section 5)")
+        ap.error(f"--workload: {args.workload} does not exist (a sessions JSONL, docs/design.md §6)")
 
     import torch
     from transformers import AutoTokenizer

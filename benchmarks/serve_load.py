@@ -6,7 +6,7 @@
 Contract (loopback only; bounded by ``--requests``, ``--rounds`` and the timeouts):
 
 1. **Requests**: ``--requests`` (64) chat completions with the agent's tools, taken from every
-   assistant turn of the workload files (DESIGN.md section 5) and spread over prompt length up to
+   assistant turn of the workload files (docs/design.md §6) and spread over prompt length up to
    the served context (``prompt + max_tokens <= --max-model-len``, the longest turn that fits is
    always in); greedy, streamed, ``return_token_ids`` on so outputs compare token for token.
 2. **Reference**: a server WITHOUT speculation answers every request once (streamed, no abort).

@@ -2,7 +2,7 @@
 
 Contract: ``generate(kind, split, n, seed)`` returns the same sessions for the same arguments on
 the same interpreter (the stdlib ``Lib/`` tree is the "repository" the agent works on).
-Sessions follow DESIGN.md section 5 (see ``schema.py``). Train and held-out splits are disjoint
+Sessions follow docs/design.md §6 (see ``schema.py``). Train and held-out splits are disjoint
 *by source file*: a file belongs to ``heldout`` when a stable hash of its path says so.
 
 Kinds:

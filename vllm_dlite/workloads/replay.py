@@ -1,4 +1,4 @@
-"""Replay a workload file as generation requests (DESIGN.md section 5).
+"""Replay a workload file as generation requests (docs/design.md §6).
 
 Each assistant turn of each session becomes one request: its prompt is the rendered history
 before that turn (the target's chat template, with the session's ``tools``, plus the generation

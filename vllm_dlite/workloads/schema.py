@@ -1,4 +1,4 @@
-"""Workload session schema (DESIGN.md section 5) and its validator.
+"""Workload session schema (docs/design.md §6) and its validator.
 
 A workload file is JSONL, one session per line, OpenAI chat format:
 
@@ -25,7 +25,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class WorkloadError(ValueError):
-    """A workload file or session does not follow DESIGN.md section 5."""
+    """A workload file or session does not follow docs/design.md §6."""
 
 
 def _fail(sid: str, where: str, problem: str) -> None:
