@@ -254,15 +254,16 @@ __device__ __forceinline__ void stage_slice(T* xs, int xstride, const T* const* 
 // One warp: acc[NT][4] = A[row0 .. row0 + 16, k0 .. k0 + 32 nsub) . xs[0 .. 8 NT, 0 .. 32 nsub)^T
 // (rows clamped to n_rows - 1 for the loads; the caller drops them). W is loaded in groups of
 // kGroup sub-stages (kGroup x 2 x 16 B per thread in flight), the next group prefetched while the
-// current one feeds the MMAs.
-template <typename T, int NT>
+// current one feeds the MMAs. The first group is requested BEFORE stage() fills xs (followed by a
+// CTA barrier), so the W latency and the X staging latency overlap. Called by the whole CTA.
+template <typename T, int NT, typename StageFn>
 __device__ __forceinline__ void unit_gemm(const T* __restrict__ A, int lda, int n_rows, int row0,
                                           int k0, int nsub, const T* xs, int xstride,
-                                          float (&acc)[NT][4]) {
+                                          float (&acc)[NT][4], StageFn stage) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const T* lo_row = A + size_t(min(row0 + g, n_rows - 1)) * lda + k0 + 8 * t;
   const T* hi_row = A + size_t(min(row0 + g + 8, n_rows - 1)) * lda + k0 + 8 * t;
-  constexpr int kGroup = 2;
+  constexpr int kGroup = NT <= 4 ? 4 : 2;  // register budget: NT = 8 keeps 2
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -270,30 +271,37 @@ __device__ __forceinline__ void unit_gemm(const T* __restrict__ A, int lda, int 
   uint4 lo[2][kGroup], hi[2][kGroup];
 #pragma unroll
   for (int s = 0; s < kGroup; ++s) {
-    lo[0][s] = ld_stream(lo_row + 32 * s);
-    hi[0][s] = ld_stream(hi_row + 32 * s);
+    if (s < nsub) {
+      lo[0][s] = ld_stream(lo_row + 32 * s);
+      hi[0][s] = ld_stream(hi_row + 32 * s);
+    }
   }
-  // nsub is a multiple of kGroup (slice >= 64); two groups per trip: constant buffer indices
+  stage();
+  __syncthreads();
+  // two groups per trip: constant buffer indices
 #pragma unroll 1
   for (int s0 = 0; s0 < nsub; s0 += 2 * kGroup) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int sg = s0 + h * kGroup;
       if (sg < nsub) {
-        if (sg + kGroup < nsub) {
 #pragma unroll
-          for (int s = 0; s < kGroup; ++s) {
+        for (int s = 0; s < kGroup; ++s) {
+          if (sg + kGroup + s < nsub) {
             lo[h ^ 1][s] = ld_stream(lo_row + 32 * (sg + kGroup + s));
             hi[h ^ 1][s] = ld_stream(hi_row + 32 * (sg + kGroup + s));
           }
         }
 #pragma unroll
-        for (int s = 0; s < kGroup; ++s)
+        for (int s = 0; s < kGroup; ++s) {
+          if (sg + s < nsub) {
 #pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const uint4 x = ld_shared16(xs + (8 * j + g) * xstride + 32 * (sg + s) + 8 * t);
-            mma_pair<T>(acc[j], lo[h][s], hi[h][s], x);
+            for (int j = 0; j < NT; ++j) {
+              const uint4 x = ld_shared16(xs + (8 * j + g) * xstride + 32 * (sg + s) + 8 * t);
+              mma_pair<T>(acc[j], lo[h][s], hi[h][s], x);
+            }
           }
+        }
       }
     }
   }
@@ -349,12 +357,11 @@ __device__ void state_phase(const HeadParams<T>& p, int mode, int step, const T*
   const int xstride = p.slice + kPad;
   for (int u = blockIdx.x; u < n_groups * n_slices; u += gridDim.x) {
     const int rg = u / n_slices, ks = u % n_slices;
-    __syncthreads();  // ids / seg pointers ready; previous unit done with xs
-    stage_slice<T, NT>(xs, xstride, seg0, seg1, r, ks * p.slice, p.slice);
-    __syncthreads();
+    __syncthreads();  // seg pointers ready; previous unit done with xs
     const int row0 = warp < 4 ? rg * kStateRows + 16 * warp : r + rg * kStateRows + 16 * (warp - 4);
     float acc[NT][4];
-    unit_gemm<T, NT>(p.w_s, two_r, two_r, row0, ks * p.slice, p.slice / 32, xs, xstride, acc);
+    unit_gemm<T, NT>(p.w_s, two_r, two_r, row0, ks * p.slice, p.slice / 32, xs, xstride, acc,
+                     [&] { stage_slice<T, NT>(xs, xstride, seg0, seg1, r, ks * p.slice, p.slice); });
     store_partials<NT>(p.part + size_t(ks) * kMaxBatch * two_r, two_r, row0, two_r, p.B, acc);
     if (last_of_group(p.tickets_s + rg, unsigned(n_slices), flag)) {
       for (int i = threadIdx.x; i < p.B * kStateRows; i += kThreads) {
@@ -396,12 +403,11 @@ __device__ void readout_phase(const HeadParams<T>& p, int step, const T* s_cur, 
   const int xstride = p.slice + kPad;
   for (int u = blockIdx.x; u < n_groups * n_slices; u += gridDim.x) {
     const int rg = u / n_slices, ks = u % n_slices;
-    __syncthreads();
-    stage_slice<T, NT>(xs, xstride, seg0, seg1, r, ks * p.slice, p.slice);
-    __syncthreads();
+    __syncthreads();  // seg pointers ready; previous unit done with xs
     const int row0 = rg * kReadRows + 16 * warp;
     float acc[NT][4];
-    unit_gemm<T, NT>(p.w_f, kdim, r, row0, ks * p.slice, p.slice / 32, xs, xstride, acc);
+    unit_gemm<T, NT>(p.w_f, kdim, r, row0, ks * p.slice, p.slice / 32, xs, xstride, acc,
+                     [&] { stage_slice<T, NT>(xs, xstride, seg0, seg1, r, ks * p.slice, p.slice); });
     store_partials<NT>(p.part + size_t(ks) * kMaxBatch * r, r, row0, r, p.B, acc);
     if (last_of_group(p.tickets_f + rg, unsigned(n_slices), flag)) {
       for (int i = threadIdx.x; i < p.B * kReadRows; i += kThreads) {
@@ -424,17 +430,6 @@ __device__ void logits_phase(const HeadParams<T>& p, int step, T* xs,
   const int r = p.r;
   const int xstride = r + kPad;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
-  __syncthreads();
-  // stage o (all r columns) once per CTA
-  const int vec_per_row = r / 8;
-  for (int v = threadIdx.x; v < NT * 8 * vec_per_row; v += kThreads) {
-    const int n = v / vec_per_row, c = (v % vec_per_row) * 8;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (n < p.B) val = __ldcg(reinterpret_cast<const uint4*>(p.obuf + size_t(n) * r + c));
-    *reinterpret_cast<uint4*>(xs + n * xstride + c) = val;
-  }
-  if (threadIdx.x < kMaxBatch) best_s[threadIdx.x] = 0ull;
-  __syncthreads();
 
   // this warp's contiguous range of 16-row tiles
   const int64_t n_tiles = (p.V + 15) / 16;
@@ -467,6 +462,18 @@ __device__ void logits_phase(const HeadParams<T>& p, int step, T* xs,
 
   uint4 w[2][2][U];
   if (n_iter > 0) load(w[0], 0);
+  __syncthreads();  // previous users of xs / best_s are done
+  // stage o (all r columns) once per CTA, while the first W_o vectors are in flight
+  const int vec_per_row = r / 8;
+  for (int v = threadIdx.x; v < NT * 8 * vec_per_row; v += kThreads) {
+    const int n = v / vec_per_row, c = (v % vec_per_row) * 8;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (n < p.B) val = __ldcg(reinterpret_cast<const uint4*>(p.obuf + size_t(n) * r + c));
+    *reinterpret_cast<uint4*>(xs + n * xstride + c) = val;
+  }
+  if (threadIdx.x < kMaxBatch) best_s[threadIdx.x] = 0ull;
+  __syncthreads();
+
   for (int64_t it = 0; it < n_iter; it += 2) {
     // two iterations per loop trip so the register buffers are indexed by constants
 #pragma unroll
