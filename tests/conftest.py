@@ -9,12 +9,9 @@ as ``{summary, outputs, draft_rounds}`` from ``replay_in_fresh_process``. Used b
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import DRAFTER_DIR, TARGET_DIR, WORKLOADS  # noqa: E402
 
 SHIPPED_K = 7

@@ -4,12 +4,11 @@ the figures is the same, and keeps the earlier methods' results and greedy outpu
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
 import ab  # noqa: E402
 
 SETTINGS = {k: 1 for k in ab.SAME_RUN_KEYS} | {"command": "python benchmarks/ab.py --methods none,dlite"}

@@ -96,7 +96,7 @@ def spec_logits(sd: dict, cfg: DLiteConfig, embed, norm_w, feats, tokens, a: int
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         U = [_rms(x, sd[p + "input_layernorm.weight"], eps) for x in X]
-        keys, vals, poss = [], [], []
+        keys, vals = [], []
         for src, pos in [(c, ctx_pos) for c in ctx] + list(zip(U, q_pos)):
             k = _matvec(sd[p + "self_attn.k_proj.weight"], src)
             v = _matvec(sd[p + "self_attn.v_proj.weight"], src)

@@ -23,11 +23,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import DRAFTER_DIR, REPO  # noqa: E402
 
 pytestmark = [

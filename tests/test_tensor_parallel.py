@@ -18,11 +18,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SHIPPED_REQUESTS_PER_KIND, replay_shipped  # noqa: E402
 from paths import DRAFTER_DIR, REPO  # noqa: E402
 

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_vllm as H  # noqa: E402
 
 H.apply_vllm_env()

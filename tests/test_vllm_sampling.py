@@ -17,13 +17,10 @@ methods. Engines are seeded, so the test is deterministic; alpha = 1e-3.
 from __future__ import annotations
 
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_vllm as H  # noqa: E402
 
 H.apply_vllm_env()
