@@ -53,6 +53,14 @@ _FIX_OLD = (
 )
 
 
+def is_dlite_config(cfg: Any) -> bool:
+    """Whether a ``config.json`` dict or an HF config object belongs to a DLite checkpoint (of any
+    format; :meth:`DLiteConfig.from_checkpoint_config` then says whether it can be served). The one
+    test for "is this a DLite checkpoint" in the package."""
+    block = cfg.get("dlite_config") if isinstance(cfg, dict) else getattr(cfg, "dlite_config", None)
+    return isinstance(block, dict)
+
+
 def build_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
     """The authors' layer-id rule (DLITE_V1.md section 2): ``{0, N-1}`` plus
     ``1 + round(f_i * (N-3))`` for ``i = 0..L-3``, ``f_i = 0.5`` if ``L == 3`` else ``i/(L-3)``
@@ -210,11 +218,11 @@ class DLiteConfig:
         """Read (and validate) a checkpoint's ``config.json`` dict in the authors' layout."""
         if not isinstance(cfg, dict):
             raise ValueError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
-        block = cfg.get("dlite_config")
-        if not isinstance(block, dict):
+        if not is_dlite_config(cfg):
             raise ValueError("config.json has no 'dlite_config' object: not a DLite checkpoint "
                              "(a dlite_v1 checkpoint has dlite_config.architecture_version = "
                              f"'{ARCHITECTURE_VERSION}')")
+        block = cfg["dlite_config"]
         version = block.get("architecture_version")
         if version is None and any(k in block for k in _OLD_FORMAT_KEYS):
             raise ValueError(f"config.json is in the old vllm-dlite format: {_FIX_OLD}")
@@ -364,4 +372,5 @@ __all__ = [
     "GREEDY_EPS",
     "DLiteConfig",
     "build_target_layer_ids",
+    "is_dlite_config",
 ]

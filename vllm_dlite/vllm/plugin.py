@@ -214,7 +214,7 @@ def _patch_engine_args() -> None:
 # =========================================================================== config time
 def is_dlite_draft(speculative_config: Any) -> bool:
     """Whether a ``SpeculativeConfig`` drafts with a DLite checkpoint."""
-    from vllm_dlite.config import DRAFT_ARCHITECTURE
+    from vllm_dlite.config import DRAFT_ARCHITECTURE, is_dlite_config
 
     if speculative_config is None:
         return False
@@ -224,7 +224,7 @@ def is_dlite_draft(speculative_config: Any) -> bool:
     archs = list(getattr(draft, "architectures", None) or [])
     hf = getattr(draft, "hf_config", None)
     archs += list(getattr(hf, "architectures", None) or [])
-    return DRAFT_ARCHITECTURE in archs or getattr(hf, "dlite_config", None) is not None
+    return DRAFT_ARCHITECTURE in archs or is_dlite_config(hf)
 
 
 def _target_sizes(target_model_config: Any) -> dict[str, Any]:
@@ -293,11 +293,10 @@ def dlite_hf_config_override(hf_config: Any) -> Any:
     vLLM needs to serve it on its parallel-drafting path: ``architectures`` = the DLite draft
     model, ``eagle_aux_hidden_state_layer_ids`` = the aux ids to capture (target layer j -> j+1),
     top-level ``mask_token_id``. The user's checkpoint files are not touched."""
-    from vllm_dlite.config import ARCHITECTURE_VERSION, DRAFT_ARCHITECTURE, DLiteConfig
+    from vllm_dlite.config import DRAFT_ARCHITECTURE, DLiteConfig, is_dlite_config
 
     hf_config = _original_hf_config_override()(hf_config)
-    block = getattr(hf_config, "dlite_config", None)
-    if isinstance(block, dict) and block.get("architecture_version") == ARCHITECTURE_VERSION:
+    if is_dlite_config(hf_config):
         cfg = DLiteConfig.from_checkpoint_config(hf_config.to_dict())
         hf_config.architectures = [DRAFT_ARCHITECTURE]
         hf_config.eagle_aux_hidden_state_layer_ids = cfg.aux_layer_ids
@@ -374,9 +373,11 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
 
 
 def _local_checkpoint_is_dlite(model: Any) -> bool:
+    from vllm_dlite.config import is_dlite_config
+
     path = Path(os.path.expanduser(str(model))) / "config.json"
     try:
-        return "dlite_config" in json.loads(path.read_text())
+        return is_dlite_config(json.loads(path.read_text()))
     except (OSError, ValueError):
         return False
 

@@ -38,6 +38,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_dlite.config import GREEDY_EPS
+
 
 logger = init_logger("vllm.dlite.proposer_v1")  # under "vllm": vLLM's handlers
 
@@ -192,7 +194,7 @@ class DLiteProposer(DFlashProposer):
             # draft distribution of each row: softmax(logits / T); greedy rows use T = 1
             # (vLLM ignores their probabilities, as in compute_probs_and_sample_next_token)
             t = temperatures[:batch_size].float().to(logits.device)
-            t = torch.where(t < 1e-5, torch.ones_like(t), t)
+            t = torch.where(t < GREEDY_EPS, torch.ones_like(t), t)
             self._last_draft_probs = torch.softmax(logits / t.view(-1, 1, 1), dim=-1).contiguous()
         return draft_ids
 

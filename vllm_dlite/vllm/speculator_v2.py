@@ -96,12 +96,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         super().__init__(vllm_config, device)
         from vllm_dlite.vllm.plugin import checkpoint_config
 
-        self.dlite_config = cfg = checkpoint_config(self.draft_model_config)
-        if self.num_speculative_steps > cfg.num_draft_tokens:
-            raise ValueError(
-                f"num_speculative_tokens={self.num_speculative_steps} exceeds the DLite drafter's "
-                f"K={cfg.num_draft_tokens}: use num_speculative_tokens <= {cfg.num_draft_tokens}"
-            )
+        self.dlite_config = cfg = checkpoint_config(self.draft_model_config)  # k <= K: checked at config time
         if cfg.anchor_group_size > 2:
             raise ValueError(
                 f"this DLite checkpoint has anchor_group_size={cfg.anchor_group_size}; Model Runner "
