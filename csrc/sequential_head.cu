@@ -447,21 +447,27 @@ __device__ void logits_phase(const HeadParams<T>& p, int step, T* xs,
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
-  auto load = [&](uint4 (&w)[2][U], int64_t it) {
-    const int64_t tile = tile_begin + it / nsub;
-    const int sub = int(it % nsub);
-    const int64_t row_lo = min(tile * 16 + g, p.V - 1), row_hi = min(tile * 16 + g + 8, p.V - 1);
-    const T* plo = p.w_o + row_lo * r + sub * 32 * U + 8 * t;
-    const T* phi = p.w_o + row_hi * r + sub * 32 * U + 8 * t;
+  // (tile, sub) of the next vectors to request; advanced without divisions
+  int64_t ld_tile = tile_begin;
+  int ld_sub = 0;
+  auto load = [&](uint4 (&w)[2][U]) {
+    const int64_t row_lo = min(ld_tile * 16 + g, p.V - 1);
+    const int64_t row_hi = min(ld_tile * 16 + g + 8, p.V - 1);
+    const T* plo = p.w_o + row_lo * r + ld_sub * 32 * U + 8 * t;
+    const T* phi = p.w_o + row_hi * r + ld_sub * 32 * U + 8 * t;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       w[0][u] = ld_stream(plo + 32 * u);
       w[1][u] = ld_stream(phi + 32 * u);
     }
+    if (++ld_sub == nsub) {
+      ld_sub = 0;
+      ++ld_tile;
+    }
   };
 
   uint4 w[2][2][U];
-  if (n_iter > 0) load(w[0], 0);
+  if (n_iter > 0) load(w[0]);
   __syncthreads();  // previous users of xs / best_s are done
   // stage o (all r columns) once per CTA, while the first W_o vectors are in flight
   const int vec_per_row = r / 8;
@@ -474,14 +480,14 @@ __device__ void logits_phase(const HeadParams<T>& p, int step, T* xs,
   if (threadIdx.x < kMaxBatch) best_s[threadIdx.x] = 0ull;
   __syncthreads();
 
+  int64_t tile = tile_begin;  // (tile, sub) being multiplied
+  int sub = 0;
   for (int64_t it = 0; it < n_iter; it += 2) {
     // two iterations per loop trip so the register buffers are indexed by constants
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t cur = it + h;
-      if (cur < n_iter) {
-        if (cur + 1 < n_iter) load(w[h ^ 1], cur + 1);  // prefetch (may cross into the next tile)
-        const int sub = int(cur % nsub);
+      if (it + h < n_iter) {
+        if (it + h + 1 < n_iter) load(w[h ^ 1]);  // prefetch (may cross into the next tile)
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -489,8 +495,7 @@ __device__ void logits_phase(const HeadParams<T>& p, int step, T* xs,
             const uint4 x = ld_shared16(xs + (8 * j + g) * xstride + sub * 32 * U + 32 * u + 8 * t);
             mma_pair<T>(acc[j], w[h][0][u], w[h][1][u], x);
           }
-        if (sub == nsub - 1) {  // tile done: epilogue
-          const int64_t tile = tile_begin + cur / nsub;
+        if (++sub == nsub) {  // tile done: epilogue
 #pragma unroll
           for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -505,6 +510,8 @@ __device__ void logits_phase(const HeadParams<T>& p, int step, T* xs,
               }
               acc[j][c] = 0.f;
             }
+          sub = 0;
+          ++tile;
         }
       }
     }
