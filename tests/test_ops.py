@@ -451,9 +451,15 @@ def _check_head_against_reference(args, num_steps):
         top = ref_logits.max(-1).values
         at = ref_logits.gather(-1, ids[..., None])[..., 0]
         assert ((top - at)[mism] <= 2 * 2**-7 * top.abs()[mism]).all()
-    if not mism.any():  # then the free-running reference drafts the same tokens
-        free_ids, free_logits = reference.sequential_head(*args, num_steps=num_steps)
-        assert torch.equal(free_ids, ids)
+    # the free-running reference drafts the same tokens up to its first near-tie: at a row's
+    # first difference both saw the same tokens, so the reference's gap there must be a tie
+    free_ids, free_logits = reference.sequential_head(*args, num_steps=num_steps)
+    for row in range(b):
+        diff = (free_ids[row] != ids[row]).nonzero()
+        if len(diff):
+            s = int(diff[0])
+            top = free_logits[row, s].max()
+            assert top - free_logits[row, s, ids[row, s]] <= 2 * 2**-7 * top.abs(), (row, s)
 
 
 @gpu
