@@ -92,3 +92,57 @@ def test_expand_kernel_fix_reaches_the_rejection_sampler(monkeypatch):
     cpu_fixes.fix_expand_kernel()
     expanded = rs.expand_batch_to_tokens(temps, cu, 5, replace_from=0, replace_to=1)
     assert expanded.tolist() == pytest.approx([1.0, 1.0, 1.3, 1.3, 1.3])
+
+
+# ----------------------------------------------------------------------------- 2. top-k, no drafts
+def _cpu_kernels_as_in_a_worker():
+    """vLLM's CPU kernel overrides + the expand fix, as a speculative CPU worker has them."""
+    import vllm._C  # noqa: F401
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.triton_utils import dispatcher
+
+    if cpu_fixes.EXPAND_KERNEL not in dispatcher._registry:
+        CpuPlatform.register_triton_kernel_overrides()
+    cpu_fixes.fix_expand_kernel()
+
+
+def _metadata(temperature, top_k=None, top_p=None):
+    return SimpleNamespace(all_greedy=False, temperature=torch.tensor(temperature),
+                           top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
+                           top_p=None if top_p is None else torch.tensor(top_p))
+
+
+def test_top_k_on_a_step_without_drafts():
+    """A step in which no request has draft tokens (prefill) gives the rejection sampler [0, V]
+    target logits; with top_k vLLM's ``apply_sampling_constraints`` reduces an empty tensor."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    _cpu_kernels_as_in_a_worker()
+    cpu_fixes.fix_empty_sampling_constraints()
+    fixed = rs.apply_sampling_constraints
+    assert getattr(fixed, cpu_fixes._FIXED, False)
+    empty = torch.zeros(0, 50)
+    no_drafts = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="numel\\(\\) == 0"):
+        fixed.__wrapped__(empty.clone(), no_drafts, _metadata([1.0], top_k=[5]))  # vLLM's own
+    assert fixed(empty.clone(), no_drafts, _metadata([1.0], top_k=[5])).shape == (0, 50)
+    for top_k, top_p in (([5], None), (None, [0.9]), ([5], [0.9])):
+        assert fixed(empty.clone(), no_drafts, _metadata([1.0], top_k, top_p)).shape == (0, 50)
+
+
+def test_top_k_with_drafts_is_unchanged():
+    """With draft tokens the fixed function is vLLM's: temperature, top-k and top-p per token."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    _cpu_kernels_as_in_a_worker()
+    cpu_fixes.fix_empty_sampling_constraints()
+    fixed = rs.apply_sampling_constraints
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)  # 2, 0 and 3 draft tokens
+    meta = _metadata([0.5, 1.0, 2.0], top_k=[3, 50, 7], top_p=[1.0, 1.0, 0.8])
+    got = fixed(logits.clone(), cu, meta)
+    assert torch.equal(got, fixed.__wrapped__(logits.clone(), cu, meta))
+    kept = torch.isfinite(got).sum(-1).tolist()
+    assert kept[:2] == [3, 3] and all(k <= 7 for k in kept[2:])
+    row = got[0][torch.isfinite(got[0])]  # request 0: temperature 0.5, top-k 3
+    assert torch.allclose(row.sort().values, (logits[0] / 0.5).topk(3).values.sort().values)

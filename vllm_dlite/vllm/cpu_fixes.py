@@ -63,6 +63,7 @@ def hook_cpu_runner(module) -> None:
 def apply_for_runner(runner: Any) -> None:
     """All CPU fixes, for a model runner whose engine has a speculative config."""
     fix_expand_kernel()
+    fix_empty_sampling_constraints()
     logger.info("DLite: speculative decoding on CPU: applied the vLLM CPU fixes "
                 "(docs/vllm-cpu-fixes.md)")
 
@@ -118,3 +119,33 @@ def fix_expand_kernel() -> None:
                 quiet.setLevel(level)
     except Exception:  # noqa: BLE001
         logger.debug("DLite: could not re-register the CPU expand kernel", exc_info=True)
+
+
+# =========================================================================== 2. top-k, no drafts
+def fix_empty_sampling_constraints() -> None:
+    """``top_k`` with temperature > 0 kills the engine on a step without draft tokens.
+
+    With speculation configured, vLLM 0.32 (V1) sends every step through ``RejectionSampler``,
+    including steps where no request has drafts (a prefill step). ``RejectionSampler.forward``
+    then calls ``apply_sampling_constraints`` on ``[0, vocab]`` target logits; on CPU
+    ``apply_top_k_top_p`` takes ``apply_top_k_only`` (``vllm/v1/sample/ops/topk_topp_sampler.py``),
+    whose ``k.max()`` on the empty per-token top-k tensor raises ``RuntimeError: max(): Expected
+    reduction dim to be specified for input.numel() == 0``. With no draft token there is nothing
+    to constrain: the fix returns the (empty) logits unchanged. It rebinds the name in the
+    rejection sampler's module only (``RejectionSampler.forward`` looks it up there), so the
+    ordinary sampler is untouched.
+    """
+    from vllm.v1.sample import rejection_sampler as rs
+
+    original = rs.apply_sampling_constraints
+    if getattr(original, _FIXED, False):
+        return
+
+    @functools.wraps(original)
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        if logits.shape[0] == 0:  # no draft token in this step
+            return logits
+        return original(logits, cu_num_draft_tokens, sampling_metadata)
+
+    setattr(apply_sampling_constraints, _FIXED, True)
+    rs.apply_sampling_constraints = apply_sampling_constraints
