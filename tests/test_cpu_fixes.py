@@ -146,3 +146,75 @@ def test_top_k_with_drafts_is_unchanged():
     assert kept[:2] == [3, 3] and all(k <= 7 for k in kept[2:])
     row = got[0][torch.isfinite(got[0])]  # request 0: temperature 0.5, top-k 3
     assert torch.allclose(row.sort().values, (logits[0] / 0.5).topk(3).values.sort().values)
+
+
+# ----------------------------------------------------------------------------- 3. seed + chunks
+class _Reached(Exception):
+    """Raised by the stub batch right after ``_bookkeeping_sync``'s generator rewind."""
+
+
+class _StubBatch:
+    def __init__(self, generators):
+        self.num_reqs = 2
+        self.generators = generators
+
+    @property
+    def req_ids(self):  # the first thing _bookkeeping_sync reads after the rewind loop
+        raise _Reached
+
+
+def _stub_runner(generators):
+    """What vLLM's ``GPUModelRunner._bookkeeping_sync`` reads before and in its rewind loop:
+    request 0 is a partial prefill (its sample is discarded), request 1 is decoding."""
+    import numpy as np
+
+    runner = SimpleNamespace(input_batch=_StubBatch(generators),
+                             discard_request_mask=SimpleNamespace(np=np.array([True, False])),
+                             execute_model_state=object())
+
+    def sample_tokens(grammar_output=None):  # vLLM's: sample (draws from each generator), bookkeep
+        for g in runner.input_batch.generators.values():
+            torch.rand(1, generator=g)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        GPUModelRunner._bookkeeping_sync(runner, None, None, None, None, 0)
+
+    runner.sample_tokens = sample_tokens
+    return runner
+
+
+def _seeded(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_seeded_partial_prefill_rewind_fails_on_cpu():
+    """vLLM's rewind of a discarded sample (``gen.set_offset(gen.get_offset() - 4)``) raises for
+    a CPU generator: this is what kills the engine."""
+    runner = _stub_runner({0: _seeded(11), 1: _seeded(12)})
+    with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
+        runner.sample_tokens()
+
+
+def test_seeded_partial_prefill_fixed():
+    """With the fix the discarded request's seeded generator is not drawn from and not rewound;
+    the decoding request's is drawn from as before; both are back in the batch afterwards."""
+    g0, g1 = _seeded(11), _seeded(12)
+    runner = _stub_runner({0: g0, 1: g1})
+    cpu_fixes.fix_seeded_chunked_prefill(runner)
+    cpu_fixes.fix_seeded_chunked_prefill(runner)  # idempotent
+    with pytest.raises(_Reached):  # the rewind loop passed; the stub ends the bookkeeping there
+        runner.sample_tokens()
+    assert runner.input_batch.generators == {0: g0, 1: g1}
+    assert torch.equal(g0.get_state(), _seeded(11).get_state())  # untouched: no draw, no rewind
+    assert not torch.equal(g1.get_state(), _seeded(12).get_state())  # sampled as before
+    assert torch.rand(1, generator=g0).item() == torch.rand(1, generator=_seeded(11)).item()
+
+
+def test_seeded_partial_prefill_fix_is_per_runner():
+    """Only the runner the fix was applied to changes; another runner keeps vLLM's behaviour."""
+    fixed, other = _stub_runner({0: _seeded(11)}), _stub_runner({0: _seeded(11)})
+    cpu_fixes.fix_seeded_chunked_prefill(fixed)
+    assert getattr(fixed.sample_tokens, cpu_fixes._FIXED, False)
+    assert not getattr(other.sample_tokens, cpu_fixes._FIXED, False)
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        other.sample_tokens()

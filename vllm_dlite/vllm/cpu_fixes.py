@@ -64,6 +64,7 @@ def apply_for_runner(runner: Any) -> None:
     """All CPU fixes, for a model runner whose engine has a speculative config."""
     fix_expand_kernel()
     fix_empty_sampling_constraints()
+    fix_seeded_chunked_prefill(runner)
     logger.info("DLite: speculative decoding on CPU: applied the vLLM CPU fixes "
                 "(docs/vllm-cpu-fixes.md)")
 
@@ -149,3 +150,53 @@ def fix_empty_sampling_constraints() -> None:
 
     setattr(apply_sampling_constraints, _FIXED, True)
     rs.apply_sampling_constraints = apply_sampling_constraints
+
+
+# =========================================================================== 3. seed + chunks
+def fix_seeded_chunked_prefill(runner: Any) -> None:
+    """A seeded request whose prompt is prefilled over several steps kills the engine on CPU.
+
+    On a step that prefills only part of a prompt, vLLM still samples a token for the request
+    (drawing from the request's own ``torch.Generator``) and throws it away; to undo the draw,
+    ``GPUModelRunner._bookkeeping_sync`` rewinds the generator by Philox offset:
+    ``gen.set_offset(gen.get_offset() - 4)``. A CPU generator (Mersenne Twister) has no offset:
+    ``RuntimeError: CPU Generator does not use offset``. Happens with or without speculation.
+
+    Fix, for this runner only: while ``sample_tokens`` runs (it samples, then does the
+    bookkeeping), the CPU generators of the requests whose sample will be discarded are taken
+    out of ``input_batch.generators`` (the dict the sampling metadata holds), and put back after.
+    Their throw-away sample then uses the global generator like an unseeded request's, nothing
+    is drawn from their seeded stream, and there is nothing to rewind: the seeded stream starts
+    at the step that keeps its token, as vLLM's rewind intends (a prompt prefilled in one step or
+    in several draws the same random numbers).
+    """
+    original = runner.sample_tokens
+    if getattr(original, _FIXED, False):
+        return
+
+    @functools.wraps(original)
+    def sample_tokens(*args, **kwargs):
+        hidden = _hide_discarded_cpu_generators(runner)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            runner.input_batch.generators.update(hidden)
+
+    setattr(sample_tokens, _FIXED, True)
+    runner.sample_tokens = sample_tokens  # instance attribute: this runner only
+
+
+def _hide_discarded_cpu_generators(runner: Any) -> dict:
+    """Pop (and return) the CPU generators of requests whose sample this step discards."""
+    if getattr(runner, "execute_model_state", None) is None:  # nothing sampled in this call
+        return {}
+    batch = runner.input_batch
+    generators = batch.generators
+    if not generators:
+        return {}
+    discard = runner.discard_request_mask.np[: batch.num_reqs]
+    hidden = {}
+    for i in [i for i in generators if i < len(discard) and discard[i]]:
+        if generators[i].device.type == "cpu":
+            hidden[i] = generators.pop(i)
+    return hidden
