@@ -19,7 +19,7 @@ that is tested here), the hermes tool parser. DLite is configured only through
   drafts; last, the plain server still has vLLM's own seeded-chunked-prefill crash, i.e. the
   plugin's CPU fixes are applied only to engines with a speculative config.
 
-About 2.5 minutes on the 2-core CPU (servers ~55 s, started concurrently).
+93-127 s on the shared 2-core CPU (the two servers start concurrently in 52-74 s).
 """
 
 from __future__ import annotations
