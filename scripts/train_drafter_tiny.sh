@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Train the shipped DLite drafter for the tiny stdlib target (K = 7):
+# Train the shipped DLite drafter (format dlite_v1, B = 8: K = 7) for the tiny stdlib target:
 #   models/qwen3-tiny-stdlib  ->  models/dlite-qwen3-tiny-stdlib
 # Recipe: configs/dlite-tiny.yaml (on-policy data regenerated with vLLM, target features written
-# once as speculators-format files, teacher -> warm-up -> stable in the paper's 8/2/6 epoch ratio).
+# once, the authors' two-stage recipe: swa_teacher -> stage 1 KL -> stage 2 CE + TV).
 # Working files (data, features, checkpoints, metrics.jsonl) go to runs/dlite-qwen3-tiny-stdlib;
 # re-running the script resumes from the latest checkpoint. Extra arguments are passed on, e.g.
 #   bash scripts/train_drafter_tiny.sh --set optim.lr=5e-4

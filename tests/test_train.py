@@ -1,10 +1,14 @@
-"""Tests of the DLite training pipeline and the offline acceptance estimator.
+"""Tests of the DLite training pipeline (format dlite_v1, the authors' recipe) and the offline
+acceptance estimator.
 
-Tiny random models only (CPU, 1 thread per process). Covers: each loss against a hand-computed
-case; HF in-process features == speculators-file features (and the vLLM aux convention); anchors,
-labels and batch planning; exact resume (uninterrupted loss curve reproduced bit for bit); a
-2-process gloo torchrun smoke run; the offline estimator is lossless and its tau equals a
-brute-force count.
+Tiny random models only (CPU, 1 thread per process). Covers: each loss (teacher CE, stage-1 KL,
+stage-2 CE + L1 with the position weights exp(-k/gamma) and the sum-of-weights normaliser)
+against hand-computed values; HF in-process features == feature files (and the vLLM aux
+convention); the authors' anchor rule, labels and group ids; a one-command tiny training run
+(teacher -> kl -> stable) writing a loadable dlite_v1 checkpoint; stage 1 keeps the teacher's
+head frozen; stage time budgets; exact resume (uninterrupted loss curve reproduced bit for bit);
+a 2-process gloo torchrun smoke run; the offline estimator is lossless, its tau equals a
+brute-force count and it hands the drafter the right group ids and features.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from vllm_dlite.train import losses
 from vllm_dlite.train.data import (
     SequenceStore,
+    anchor_range,
     collate,
     plan_batches,
     sample_anchor_positions,
@@ -41,7 +46,8 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, N_LAYERS, EOS = 160, 32, 3, 1
 MASK = VOCAB - 1
-K = 3
+B = 4  # block size (counting the anchor)
+K = B - 1
 
 
 # =========================================================================== fixtures
@@ -90,9 +96,9 @@ def train_config(target_dir: Path, sequences: Path, root: Path, **run) -> dict:
         "target": {"path": str(target_dir)},
         "data": {"sequences": str(sequences), "max_len": 64, "anchors_per_seq": 6,
                  "max_tokens_per_batch": 96, "max_seqs_per_batch": 3},
-        "model": {"block_size": K, "num_layers": 1, "head_rank": 4, "mask_token_id": MASK,
-                  "history_window": 16},
-        "epochs": {"teacher": 1, "warmup": 1, "stable": 1},
+        "model": {"block_size": B, "num_layers": 1, "head_rank": 4, "mask_token_id": MASK,
+                  "num_feature_layers": 2, "teacher_window": 5},
+        "epochs": {"teacher": 1, "kl": 1, "stable": 1},
         "optim": {"lr": 3e-3},
         "run": {"out": str(root / "drafter"), "work_dir": str(root / "work"), "threads": 1,
                 "log_every": 1, "checkpoint_every": 3, "progress": False,
@@ -105,8 +111,8 @@ def read_metrics(work: Path) -> list[dict]:
 
 
 # =========================================================================== losses
-def test_position_weights():
-    w = losses.position_weights(3, gamma=4.0)
+def test_position_weights_are_zero_based():
+    w = losses.position_weights(3, gamma=4.0)  # w_k = exp(-k / gamma), k = 0, 1, 2
     assert torch.allclose(w, torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5)]))
 
 
@@ -116,50 +122,59 @@ def test_ce_loss_hand_computed():
     ce0 = -math.log(math.exp(2) / (math.exp(2) + 2))
     ce1 = -math.log(1 / (math.e + 2))
     assert losses.ce_loss(logits, labels).item() == pytest.approx((ce0 + ce1) / 2, rel=1e-6)
-    # masked position 1 is ignored
-    mask = torch.tensor([[True, False]])
+    mask = torch.tensor([[True, False]])  # inactive position 1: out of numerator and normaliser
     assert losses.ce_loss(logits, labels, mask).item() == pytest.approx(ce0, rel=1e-6)
-    # weighted token mean: (w0 ce0 + w1 ce1) / (w0 + w1)
-    w = torch.tensor([1.0, 0.5])
+    w = losses.position_weights(2, gamma=4.0)
+    w1 = math.exp(-0.25)
     assert losses.ce_loss(logits, labels, weights=w).item() == pytest.approx(
-        (ce0 + 0.5 * ce1) / 1.5, rel=1e-6)
+        (ce0 + w1 * ce1) / (1 + w1), rel=1e-6)
 
 
-def test_forward_kl_hand_computed():
+def kl(a, b):
+    return sum(x * math.log(x / y) for x, y in zip(a, b, strict=True))
+
+
+def test_forward_kl_hand_computed_weighted_mean_over_active_positions():
     p = torch.tensor([[[0.5, 0.5], [0.9, 0.1]], [[0.2, 0.8], [0.5, 0.5]]])  # teacher probs
     q = torch.tensor([[[0.25, 0.75], [0.5, 0.5]], [[0.2, 0.8], [0.6, 0.4]]])  # student probs
-    w = losses.position_weights(2)
-
-    def kl(a, b):
-        return sum(x * math.log(x / y) for x, y in zip(a, b, strict=True))
-
-    expected = (
-        (kl([0.5, 0.5], [0.25, 0.75]) + w[1].item() * kl([0.9, 0.1], [0.5, 0.5]))
-        + (kl([0.2, 0.8], [0.2, 0.8]) + w[1].item() * kl([0.5, 0.5], [0.6, 0.4]))
-    ) / 2  # per-anchor sum over positions, mean over anchors
-    got = losses.forward_kl(p.log(), q.log(), w)
-    assert got.item() == pytest.approx(expected, rel=1e-5)
-    # mask out anchor 1's second position: the anchor still counts in the mean
+    w1 = math.exp(-1 / 4)
+    w = losses.position_weights(2, gamma=4.0)
+    d = [[kl([0.5, 0.5], [0.25, 0.75]), kl([0.9, 0.1], [0.5, 0.5])],
+         [kl([0.2, 0.8], [0.2, 0.8]), kl([0.5, 0.5], [0.6, 0.4])]]
+    expected = (d[0][0] + w1 * d[0][1] + d[1][0] + w1 * d[1][1]) / (2 * (1 + w1))
+    assert losses.forward_kl(p.log(), q.log(), w).item() == pytest.approx(expected, rel=1e-5)
+    # anchor 1's second position inactive: normaliser = 1 + w1 + 1
     mask = torch.tensor([[True, True], [True, False]])
-    expected_masked = (kl([0.5, 0.5], [0.25, 0.75]) + w[1].item() * kl([0.9, 0.1], [0.5, 0.5])
-                       + 0.0) / 2
+    expected_masked = (d[0][0] + w1 * d[0][1] + d[1][0]) / (2 + w1)
     assert losses.forward_kl(p.log(), q.log(), w, mask).item() == pytest.approx(
         expected_masked, rel=1e-5)
+    # numerator / normaliser split (what the trainer all-reduces)
+    num = losses.weighted_sum(losses.kl_per_position(p.log(), q.log()), mask, w)
+    assert (num / losses.normaliser(mask, w)).item() == pytest.approx(expected_masked, rel=1e-5)
 
 
-def test_tv_l1_hand_computed_no_half_factor():
-    p_t = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 0.5, 0.5]]])  # N=1, K=2
-    q = torch.tensor([[[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]]])
-    w = losses.position_weights(2, gamma=4.0)
-    l1_0 = 0.5 + 0.25 + 0.25  # = 1.0
-    l1_1 = 0.0 + 0.5 + 0.5  # = 1.0
-    expected = l1_0 + math.exp(-0.25) * l1_1
+def test_stable_loss_hand_computed_ce_and_l1_no_half_factor():
+    p_t = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 0.5, 0.5], [0.2, 0.3, 0.5]]])  # N=1, K=3
+    q = torch.tensor([[[0.5, 0.25, 0.25], [0.0, 1.0, 0.0], [0.2, 0.3, 0.5]]])
+    labels = torch.tensor([[0, 1, 2]])
     logits = q.clamp_min(1e-30).log()
-    assert losses.tv_l1(p_t, logits, w).item() == pytest.approx(expected, rel=1e-5)
-    total, parts = losses.stable_loss(p_t, logits, torch.tensor([[0, 1]]))
-    ce = (-math.log(0.5) - math.log(1.0)) / 2
-    assert parts["ce"].item() == pytest.approx(ce, rel=1e-5)
-    assert total.item() == pytest.approx(0.1 * ce + 1.0 * expected, rel=1e-5)
+    w1, w2 = math.exp(-1 / 4), math.exp(-2 / 4)
+    l1 = [1.0, 1.0, 0.0]  # |q - p|_1 per position, no 1/2 factor
+    ce = [-math.log(0.5), -math.log(1.0), -math.log(0.5)]
+    Z = 1 + w1 + w2
+    tv = (l1[0] + w1 * l1[1] + w2 * l1[2]) / Z
+    ce_w = (ce[0] + w1 * ce[1] + w2 * ce[2]) / Z
+    w = losses.position_weights(3, gamma=4.0)
+    assert losses.tv_l1(p_t, logits, w).item() == pytest.approx(tv, rel=1e-5)
+    total, parts = losses.stable_loss(p_t, logits, labels)  # paper: 0.1 CE + 1 TV, gamma 4
+    assert parts["ce"].item() == pytest.approx(ce_w, rel=1e-5)
+    assert parts["tv"].item() == pytest.approx(tv, rel=1e-5)
+    assert total.item() == pytest.approx(0.1 * ce_w + 1.0 * tv, rel=1e-5)
+    # the last position inactive: normaliser 1 + w1
+    mask = torch.tensor([[True, True, False]])
+    total, _ = losses.stable_loss(p_t, logits, labels, mask, gamma=4.0, ce_weight=0.5, tv_weight=2.0)
+    expected = (0.5 * (ce[0] + w1 * ce[1]) + 2.0 * (l1[0] + w1 * l1[1])) / (1 + w1)
+    assert total.item() == pytest.approx(expected, rel=1e-5)
 
 
 def test_loss_gradients_reach_student_only():
@@ -167,6 +182,9 @@ def test_loss_gradients_reach_student_only():
     teacher = torch.randn(2, 3, 5, requires_grad=True)
     losses.forward_kl(teacher, student, losses.position_weights(3)).backward()
     assert student.grad is not None and teacher.grad is None
+    probs = torch.softmax(torch.randn(2, 3, 5), -1).requires_grad_(True)
+    losses.stable_loss(probs, student, torch.zeros(2, 3, dtype=torch.long))[0].backward()
+    assert probs.grad is None
 
 
 # =========================================================================== features
@@ -204,6 +222,11 @@ def test_hf_features_match_speculators_files(target_dir, tmp_path):
     assert back.layer_ids == layer_ids and torch.equal(back.token_ids, ids)
     assert torch.equal(back.features, feats)
     assert torch.equal(read_hs_file(path, layer_ids=[N_LAYERS]).features[:, 0], feats[:, 2])
+    # DLite's trainer stores only the rows from row_start on
+    part = read_hs_file(write_hs_file(tmp_path / "hs_1.safetensors", ids, feats[7:], layer_ids,
+                                      row_start=7))
+    assert part.row_start == 7 and torch.equal(part.features, feats[7:])
+    assert torch.equal(part.token_ids, ids)
 
     # (b') a speculators dataset directory, read with speculators' own transfer class
     write_speculators_dataset(tmp_path / "ds", [(ids.tolist(), [0] * 10 + [1] * 13)], extractor,
@@ -224,28 +247,45 @@ def test_extractor_cache_continuation_matches_full_forward(target_dir):
 
 
 # =========================================================================== data
-def test_anchors_labels_and_batches(sequences_file):
+def test_anchors_follow_the_authors_rule_labels_and_groups(sequences_file):
+    """a in [1, S-B] with loss_mask[a] and loss_mask[a+1] (response from P on), all of them or a
+    uniform sample without replacement; labels x_{a+1..a+K}; group x_{a-G+1..a}."""
     store = SequenceStore.open(sequences_file, max_len=40)
     assert len(store) == 12
     for i in range(len(store)):
-        assert store.length(i) <= 40
-        pos = sample_anchor_positions(store.length(i), store.response_start(i), None, (0,))
-        assert pos[0] == max(1, store.response_start(i)) and pos[-1] == store.length(i) - 2
-        assert len(pos) == store.num_anchors(i)
-    few = sample_anchor_positions(store.length(0), store.response_start(0), 3, (7, "x"))
-    assert len(few) == 3 and np.array_equal(
-        few, sample_anchor_positions(store.length(0), store.response_start(0), 3, (7, "x")))
+        S, P = store.length(i), store.response_start(i)
+        assert S <= 40
+        loss_mask = [p >= P for p in range(S)]
+        rule = [a for a in range(1, S - B + 1) if loss_mask[a] and loss_mask[a + 1]]
+        pos = sample_anchor_positions(S, P, None, (0,), B)
+        assert pos.tolist() == rule
+        assert len(rule) == store.num_anchors(i, B)
+        assert anchor_range(S, P, B) == (max(P, 1), S - B)
+    assert sample_anchor_positions(10, 0, None, (0,), 4).tolist() == list(range(1, 7))  # a >= 1
+    assert sample_anchor_positions(10, 8, None, (0,), 4).tolist() == []  # no full block
+    long_s, long_p = 200, 10
+    few = sample_anchor_positions(long_s, long_p, 5, (7, "x"), B)
+    assert len(few) == len(set(few.tolist())) == 5 and np.all(np.diff(few) > 0)
+    assert np.array_equal(few, sample_anchor_positions(long_s, long_p, 5, (7, "x"), B))
+    assert set(few.tolist()) <= set(range(long_p, long_s - B + 1))
+    # uniform: every allowed anchor is drawn about equally often over many keys
+    counts = np.zeros(long_s)
+    for seed in range(400):
+        counts[sample_anchor_positions(long_s, long_p, 32, (seed,), B)] += 1
+    allowed = counts[long_p: long_s - B + 1]
+    assert counts[:long_p].sum() == 0 and counts[long_s - B + 1:].sum() == 0
+    assert allowed.min() > 0.5 * allowed.mean() and allowed.max() < 1.5 * allowed.mean()
 
-    batch = collate(store, [0, 5], block_size=K, anchors_per_seq=None, key=(0,))
-    for n in range(batch.num_anchors):
-        s, t = int(batch.seq_index[n]), int(batch.anchor_pos[n])
-        toks = store.token_ids(batch.seq_numbers[s])
-        assert batch.anchor_ids[n] == toks[t]
-        for i in range(K):
-            valid = t + 1 + i < len(toks)
-            assert bool(batch.label_mask[n, i]) == valid
-            if valid:
-                assert batch.labels[n, i] == toks[t + 1 + i]
+    for G in (1, 2):
+        batch = collate(store, [0, 5], block_size=B, anchors_per_seq=None, key=(0,), group_size=G)
+        assert batch.labels.shape[1] == K and batch.group_ids.shape[1] == G
+        assert bool(batch.label_mask.all())
+        for n in range(batch.num_anchors):
+            s, a = int(batch.seq_index[n]), int(batch.anchor_pos[n])
+            toks = store.token_ids(batch.seq_numbers[s])
+            assert batch.anchor_ids[n] == toks[a]
+            assert batch.group_ids[n].tolist() == toks[a - G + 1: a + 1].tolist()
+            assert batch.labels[n].tolist() == toks[a + 1: a + 1 + K].tolist()
 
     lengths = store.lengths
     seen = []
@@ -281,16 +321,75 @@ def test_resume_reproduces_uninterrupted_run(target_dir, sequences_file, tmp_pat
 
     a, b = read_metrics(tmp_path / "full" / "work"), read_metrics(tmp_path / "cut" / "work")
     assert [r["stage"] for r in a] == [r["stage"] for r in b]
-    assert {r["stage"] for r in a} == {"teacher", "warmup", "stable"}
+    assert {r["stage"] for r in a} == {"teacher", "kl", "stable"}
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit-exact
     assert [r["acc"] for r in a] == [r["acc"] for r in b]
     wa = (tmp_path / "full" / "drafter" / "model.safetensors").read_bytes()
     wb = (tmp_path / "cut" / "drafter" / "model.safetensors").read_bytes()
     assert wa == wb
     drafter = load_drafter(tmp_path / "full" / "drafter")
-    assert drafter.config.block_size == K and drafter.config.target_layer_ids == [1, 2, 3]
+    assert drafter.config.block_size == B and drafter.config.target_layer_ids == [0, N_LAYERS - 1]
     report = json.loads((tmp_path / "full" / "drafter" / "training_report.json").read_text())
-    assert set(report["stages"]) == {"teacher", "warmup", "stable"}
+    assert set(report["stages"]) == {"teacher", "kl", "stable"}
+
+
+def test_one_command_tiny_run_writes_a_loadable_dlite_v1_checkpoint(target_dir, sequences_file,
+                                                                     tmp_path):
+    """``python -m vllm_dlite.train --config ...`` end to end (teacher -> kl -> stable, feature
+    files, time budget): a dlite_v1 checkpoint that the one loader reads and that drafts."""
+    from vllm_dlite.config import ARCHITECTURE_VERSION
+    from vllm_dlite.model import check_checkpoint, load_drafter
+
+    cfg = train_config(target_dir, sequences_file, tmp_path, max_steps_per_stage=2)
+    cfg["data"]["feature_source"] = "files"
+    cfg["run"]["stage_time_budget_s"] = {"stable": 0.0}  # stops stable after its first step
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "vllm_dlite.train", "--config", str(cfg_path)],
+                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "drafter"
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["dlite_config"]["architecture_version"] == ARCHITECTURE_VERSION
+    assert saved["block_size"] == B and saved["dlite_config"]["anchor_group_size"] == 1
+    config = check_checkpoint(out)
+    assert config.target_layer_ids == [0, N_LAYERS - 1] and config.aux_layer_ids == [1, N_LAYERS]
+    drafter = load_drafter(out, dtype=torch.float32)
+    target = TargetFeatureExtractor.from_pretrained(target_dir, config.aux_layer_ids)
+    drafter.bind_target(target.embed_weight, *target.final_norm)
+    ids = torch.randint(2, VOCAB - 1, (1, 9))
+    feats = target(ids).features[:, -1]
+    drafted = drafter.draft(feats, ids[:, -1:])
+    assert drafted.token_ids.shape == (1, K)
+    report = json.loads((out / "training_report.json").read_text())
+    assert [r["stage"] for r in read_metrics(tmp_path / "work")] == \
+        ["teacher"] * 2 + ["kl"] * 2 + ["stable"]
+    assert report["stages"]["stable"]["steps"] == 1
+    assert report["stages"]["stable"]["stopped_by_time_budget_s"] == 0.0
+    assert report["features"]["aux_layer_ids"] == [1, 2, N_LAYERS]  # drafter + history (0,1,2)
+    assert (out / "README.md").is_file()
+
+
+def test_stage1_student_gets_the_teachers_head_frozen(target_dir, sequences_file, tmp_path):
+    """kl stage: the student's sequential head is the trained teacher's and stays frozen; the
+    student's backbone (trained from scratch) moves."""
+    from safetensors.torch import load_file
+
+    from vllm_dlite.model import load_drafter
+
+    cfg = train_config(target_dir, sequences_file, tmp_path, max_steps_per_stage=2,
+                       export_dtype="float32")
+    cfg["epochs"] = {"teacher": 1, "kl": 1, "stable": 0}
+    _run_train(cfg, tmp_path, "kl")
+    teacher = load_file(str(tmp_path / "work" / "teacher.safetensors"))
+    student = load_drafter(tmp_path / "drafter").state_dict()
+    head = [k for k in student if k.startswith("sequential_head.")]
+    assert len(head) == 6
+    for k in head:
+        assert torch.equal(student[k], teacher[k]), k
+    assert not torch.equal(student["layers.0.mlp.up_proj.weight"],
+                           teacher["layers.0.mlp.up_proj.weight"])
 
 
 def test_anchor_chunks_give_the_same_step(target_dir, sequences_file, tmp_path):
@@ -300,15 +399,15 @@ def test_anchor_chunks_give_the_same_step(target_dir, sequences_file, tmp_path):
         cfg = train_config(target_dir, sequences_file, tmp_path / f"c{chunk}",
                            max_steps_per_stage=1)
         cfg["optim"]["anchor_chunk_size"] = chunk
-        cfg["epochs"] = {"teacher": 1, "warmup": 0, "stable": 1}
+        cfg["epochs"] = {"teacher": 1, "kl": 1, "stable": 1}
         _run_train(cfg, tmp_path, f"c{chunk}")
         results.append([r["loss"] for r in read_metrics(tmp_path / f"c{chunk}" / "work")])
-    assert results[0] == pytest.approx(results[1], rel=1e-5)
+    assert results[0] == pytest.approx(results[1], rel=1e-5, abs=1e-7)
 
 
 def test_torchrun_two_process_gloo_smoke(target_dir, sequences_file, tmp_path):
     cfg = train_config(target_dir, sequences_file, tmp_path, max_steps_per_stage=2)
-    cfg["data"]["feature_source"] = "files"  # also covers the speculators-file training path
+    cfg["data"]["feature_source"] = "files"  # also covers the feature-file training path
     cfg["optim"]["anchor_chunk_size"] = 4  # uneven chunk counts across ranks (padded chunks)
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
@@ -320,10 +419,10 @@ def test_torchrun_two_process_gloo_smoke(target_dir, sequences_file, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = read_metrics(tmp_path / "work")
-    assert [r["stage"] for r in records] == ["teacher"] * 2 + ["warmup"] * 2 + ["stable"] * 2
+    assert [r["stage"] for r in records] == ["teacher"] * 2 + ["kl"] * 2 + ["stable"] * 2
     assert all(math.isfinite(r["loss"]) for r in records)
     assert (tmp_path / "drafter" / "model.safetensors").is_file()
-    assert len(list((tmp_path / "work" / "data" / "features" / "hidden_states").glob(
+    assert len(list((tmp_path / "work" / "data" / "features_v1" / "hidden_states").glob(
         "hs_*.safetensors"))) == 12
 
 
@@ -331,13 +430,14 @@ def test_cli_config_overrides_and_ablation(tmp_path):
     from vllm_dlite.train.cli import build_parser, resolve_config
 
     cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text("target: {path: /x}\nrun: {out: /y}\nepochs: {teacher: 8}\n")
+    cfg_path.write_text("target: {path: /x}\nrun: {out: /y}\nepochs: {teacher: 8, warmup: 3}\n")
     args = build_parser().parse_args([
         "--config", str(cfg_path), "--set", "optim.lr=1e-4", "--ablation", "stable_only",
-        "--ablation", "feature_mode=feature", "--ablation", "head_rank=64"])
+        "--ablation", "anchor_group_size=2", "--ablation", "head_rank=64"])
     cfg = resolve_config(args).validate()
     assert cfg.optim.lr == 1e-4 and cfg.ablation.stable_only
-    assert cfg.model.feature_mode == "feature" and cfg.model.head_rank == 64
+    assert cfg.model.anchor_group_size == 2 and cfg.model.head_rank == 64
+    assert cfg.epochs == {"teacher": 8, "kl": 3, "stable": 6}  # "warmup" read as "kl"
     assert cfg.stages() == ["stable"]
     with pytest.raises(ValueError, match="unknown keys"):
         resolve_config(build_parser().parse_args(["--set", "optim.lrr=1"]))
@@ -346,21 +446,24 @@ def test_cli_config_overrides_and_ablation(tmp_path):
 # =========================================================================== offline estimator
 class BigramOracleDrafter:
     """Stateless test drafter: drafts by following a bigram table (learned from the greedy
-    reference), with position 3 always wrong; records the features it is given."""
+    reference), with position 3 always wrong; records the group ids and features it is given.
+    Speaks DLiteDrafter's interface (``config.aux_layer_ids``, ``config.num_draft_tokens``,
+    ``config.anchor_group_size``, ``draft(features, group_ids, num_steps=)``)."""
 
-    def __init__(self, table: dict[int, int], layer_ids: list[int], k: int):
+    def __init__(self, table: dict[int, int], layer_ids: list[int], k: int, group_size: int = 1):
         self.table = table
-        self.config = type("Cfg", (), {"target_layer_ids": layer_ids, "block_size": k})()
-        self.calls: list[tuple[int, torch.Tensor]] = []
+        self.config = type("Cfg", (), {"aux_layer_ids": layer_ids, "num_draft_tokens": k,
+                                       "anchor_group_size": group_size})()
+        self.calls: list[tuple[list[int], torch.Tensor]] = []
 
-    def draft(self, features, anchor_ids):
-        anchor = int(anchor_ids[0])
-        self.calls.append((anchor, features[0].clone()))
-        out, prev = [], anchor
-        for i in range(self.config.block_size):
+    def draft(self, features, group_ids, num_steps=None):
+        group = group_ids[0].tolist()
+        self.calls.append((group, features[0].clone()))
+        out, prev = [], group[-1]
+        for i in range(num_steps or self.config.num_draft_tokens):
             prev = self.table.get(prev, 0)
             out.append((prev + 1) % VOCAB if i == 2 else prev)
-        return (torch.tensor([out]),)
+        return type("Out", (), {"token_ids": torch.tensor([out])})()
 
 
 def _brute_force_greedy(model, prompt: list[int], max_new: int) -> list[int]:
@@ -387,7 +490,11 @@ def _brute_force_features(model, seq: list[int], layer_ids: list[int]) -> torch.
     return torch.stack(rows, dim=2)[0, -2]
 
 
-def test_offline_estimator_lossless_and_tau_equals_brute_force(target_dir):
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_offline_estimator_lossless_and_tau_equals_brute_force(target_dir, group_size):
+    """The simulator is lossless, counts tau / per-position acceptance like a brute-force replay,
+    and hands the drafter the target's features at a-1 (vLLM aux ids, by full recomputation)
+    and the group x_{a-G+1..a}."""
     from transformers import AutoModelForCausalLM
 
     from vllm_dlite.config import DLiteConfig
@@ -407,7 +514,7 @@ def test_offline_estimator_lossless_and_tau_equals_brute_force(target_dir):
         seq = p + ref
         for a, b in zip(seq[:-1], seq[1:], strict=True):
             table.setdefault(a, b)
-    oracle = BigramOracleDrafter(table, layer_ids, k=4)
+    oracle = BigramOracleDrafter(table, layer_ids, k=4, group_size=group_size)
     sim = SpeculativeSimulator(extractor, oracle, k=4, eos_ids={EOS})
     results = [sim.generate(p, max_new) for p in prompts]
     assert [r.output_ids for r in results] == refs  # lossless
@@ -419,12 +526,13 @@ def test_offline_estimator_lossless_and_tau_equals_brute_force(target_dir):
     for p, ref in zip(prompts, refs, strict=True):
         j = 0
         while j < len(ref) - 1 and ref[j] != EOS:
-            anchor, features = oracle.calls[call]
+            group, features = oracle.calls[call]
             call += 1
-            assert anchor == ref[j]
-            expected = _brute_force_features(model, p + ref[: j + 1], layer_ids)
+            seq = p + ref[: j + 1]  # the anchor x_a = ref[j] sits at a = len(seq) - 1
+            assert group == seq[len(seq) - group_size:]
+            expected = _brute_force_features(model, seq, layer_ids)
             assert torch.allclose(features, expected, atol=1e-4)
-            drafts = oracle.draft(expected[None], torch.tensor([ref[j]]))[0][0].tolist()
+            drafts = oracle.draft(expected[None], torch.tensor([group])).token_ids[0].tolist()
             oracle.calls.pop()
             a = 0
             while a < 4 and j + 1 + a < len(ref) and drafts[a] == ref[j + 1 + a]:
@@ -442,12 +550,15 @@ def test_offline_estimator_lossless_and_tau_equals_brute_force(target_dir):
     assert summary["acceptance_rate_per_position"] == [round(c / rounds, 4) for c in per_position]
     assert summary["acceptance_rate_per_position"][2] == 0.0  # position 3 is always wrong
 
-    # a real (random) DLite drafter is lossless too
+    # a real (random) dlite_v1 drafter is lossless too
     cfg = DLiteConfig.for_target(model.config.to_dict(), num_feature_layers=2, mask_token_id=MASK,
-                                 block_size=4, num_layers=1, head_rank=4)
-    drafter = DLiteDrafter.from_config(cfg).eval()
-    drafter.bind_target(extractor.embed_weight, extractor.lm_head_weight)
+                                 block_size=5, num_hidden_layers=1, sequential_rank=4,
+                                 anchor_group_size=group_size)
+    assert cfg.aux_layer_ids == layer_ids
+    drafter = DLiteDrafter(cfg).eval()
+    drafter.bind_target(extractor.embed_weight, *extractor.final_norm)
     sim = SpeculativeSimulator(extractor, drafter, eos_ids={EOS})
+    assert sim.k == 4
     assert [sim.generate(p, max_new).output_ids for p in prompts] == refs
 
 
@@ -456,7 +567,7 @@ def test_offline_estimator_lossless_and_tau_equals_brute_force(target_dir):
 def test_one_command_trains_a_drafter_for_another_local_qwen3(tmp_path):
     """The documented one-liner (``python -m vllm_dlite.train --target DIR --out DIR``) on a local
     HF Qwen3 model it has never seen: regenerates on-policy data with vLLM, picks the layers,
-    trains teacher -> warm-up -> stable, exports a loadable drafter and evaluates it offline.
+    trains teacher -> kl -> stable, exports a loadable drafter and evaluates it offline.
     Only the sizes are shrunk (``--set``) so it runs in about two minutes on a CPU."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import helpers_vllm as H
@@ -469,15 +580,19 @@ def test_one_command_trains_a_drafter_for_another_local_qwen3(tmp_path):
            "--work-dir", str(tmp_path / "work"),
            "--set", "data.regenerate.kinds={agentic: 0, code: 2, chat: 3}",
            "--set", "data.regenerate.max_new_tokens=24", "--set", "data.max_len=512",
-           "--set", "epochs={teacher: 1, warmup: 1, stable: 1}",
+           "--set", "epochs={teacher: 1, kl: 1, stable: 1}",
            "--set", "eval.kinds={chat: 2}", "--set", "eval.max_new_tokens=8", "--set", "run.progress=false"]
     proc = subprocess.run(cmd, env={**os.environ, **H.vllm_env()}, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     drafter = load_drafter(str(out))
-    assert drafter.config.target_layer_ids == list(range(1, H.TARGET_LAYERS + 1))
+    from vllm_dlite.config import build_target_layer_ids
+    from vllm_dlite.train.trainer import default_num_feature_layers
+
+    n = H.TARGET_LAYERS
+    assert drafter.config.target_layer_ids == build_target_layer_ids(n, default_num_feature_layers(n))
     report = json.loads((out / "training_report.json").read_text())
-    assert list(report["stages"]) == ["teacher", "warmup", "stable"]
+    assert list(report["stages"]) == ["teacher", "kl", "stable"]
     assert report["data"]["num_sequences"] > 0
     assert report["offline_eval"]["overall"]["tau"] >= 1.0
 

@@ -2,12 +2,14 @@
 
     python -m vllm_dlite.train --target PATH/TO/HF_MODEL --out DIR
 
-trains a drafter for a local HF Qwen3-style model with the paper's recipe: regenerate on-policy
-data with vLLM (training-split agentic/code/chat workloads), pick the target layers (all layers
-for <= 16-layer targets, else 14/36 of them, first and last included), train teacher (8 epochs)
--> warm-up (2) -> stable (6), write ``DIR/config.json`` + ``DIR/model.safetensors``. Working files
-(data, checkpoints, metrics) go to ``runs/<DIR name>`` (``--work-dir``). Re-running the same
-command resumes from the latest checkpoint.
+trains a ``dlite_v1`` drafter for a local HF Qwen3-style model with the authors' recipe
+(``DLITE_V1.md`` section 6): regenerate on-policy data with vLLM (training-split
+agentic/code/chat workloads), pick L = 14/36 of the target layers by the authors' rule
+(``build_target_layer_ids``), train the sliding-window teacher (8 epochs) -> stage 1 KL from
+the teacher with its head frozen in the student (2) -> stage 2 CE + TV against the target (6),
+write ``DIR/config.json`` + ``DIR/model.safetensors``. Working files (data, features,
+checkpoints, metrics) go to ``runs/<DIR name>`` (``--work-dir``). Re-running the same command
+resumes from the latest checkpoint.
 
     python -m vllm_dlite.train --config configs/dlite-tiny.yaml [--set optim.lr=3e-4 ...]
     torchrun --nproc-per-node 8 -m vllm_dlite.train --config cfg.yaml      # DDP (nccl / gloo)
@@ -15,7 +17,7 @@ command resumes from the latest checkpoint.
 Config files are YAML or JSON with the sections of :class:`vllm_dlite.train.trainer.TrainConfig`
 (``target``, ``data``, ``model``, ``epochs``, ``optim``, ``loss``, ``run``, ``ablation``,
 ``eval``); ``--set a.b=VALUE`` overrides any key (VALUE parsed as YAML). Ablations:
-``--ablation stable_only`` (skip teacher + warm-up), ``--ablation feature_mode=feature``,
+``--ablation stable_only`` (skip teacher + stage 1), ``--ablation anchor_group_size=2``,
 ``--ablation head_rank=64`` (any ``model.*`` key works as ``key=value``).
 """
 
@@ -65,7 +67,7 @@ def apply_ablation(config: dict[str, Any], spec: str) -> None:
         set_dotted(config, f"model.{name}", _parse_value(value))
     else:
         raise ValueError(
-            f"--ablation {spec!r}: use stable_only, feature_mode=feature, head_rank=N, or any "
+            f"--ablation {spec!r}: use stable_only, anchor_group_size=2, head_rank=N, or any "
             "model.* key as key=value"
         )
 
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set data.anchors_per_seq=64")
     ap.add_argument("--ablation", action="append", default=[], metavar="NAME[=VALUE]",
-                    help="stable_only | feature_mode=feature | head_rank=N | <model key>=VALUE")
+                    help="stable_only | anchor_group_size=2 | head_rank=N | <model key>=VALUE")
     ap.add_argument("--print-config", action="store_true",
                     help="print the resolved config as JSON and exit")
     ap.add_argument("--only-data", action="store_true",

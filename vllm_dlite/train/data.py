@@ -22,12 +22,15 @@
    + index (memory-mapped ``.npy`` files next to it), so large corpora do not live in Python lists
    on every rank.
 
-3. **Anchors**: for a sequence ``x_0..x_{T-1}`` with response starting at ``P``, every response
-   position ``t`` in ``[max(P, 1), T - 2]`` is an anchor (``x_t`` is a token the target produced;
-   its draft input is the feature row ``t - 1`` plus ``x_t``; labels ``x_{t+1..t+K}``, the tail past
-   ``T - 1`` masked). :func:`sample_anchor_positions` draws ``anchors_per_seq`` of them (all when
-   0/None) from a generator seeded by ``(seed, stage, epoch, sequence)`` only, so sampling does not
-   depend on batching, rank count or resumption.
+3. **Anchors** (the authors' rule, ``DLITE_V1.md`` section 6): for a sequence ``x_0..x_{S-1}``
+   whose response (``loss_mask``) starts at ``P``, the anchors are the positions ``a`` in
+   ``[1, S-B]`` with ``loss_mask[a]`` and ``loss_mask[a+1]`` set, i.e. ``a`` in
+   ``[max(P, 1, G-1), S-B]`` (``G-1``: the anchor group ``x_{a-G+1..a}`` exists; a no-op for
+   G <= 2). The whole block ``x_a..x_{a+B-1}`` lies inside the sequence, so all K = B-1 labels
+   ``x_{a+1..a+K}`` are valid; the draft input is the feature row ``a - 1`` plus the group.
+   :func:`sample_anchor_positions` draws up to ``anchors_per_seq`` (authors: 512) uniformly
+   without replacement (all when 0/None) from a generator seeded by ``(seed, stage, epoch,
+   sequence)`` only, so sampling does not depend on batching, rank count or resumption.
 
 4. **Batches** (:func:`plan_batches`, :func:`collate`): per epoch a deterministic, length-bucketed
    shuffle packs sequences into batches under a token budget (padded tokens), the batches are
@@ -316,10 +319,11 @@ class SequenceStore:
     def lengths(self) -> np.ndarray:
         return np.asarray(self.index[:, 1])
 
-    def num_anchors(self, i: int) -> int:
-        """Anchor positions available in sequence i (see the module docstring)."""
-        lo = max(self.response_start(i), 1)
-        return max(0, self.length(i) - 1 - lo)
+    def num_anchors(self, i: int, block_size: int = 2, group_size: int = 1) -> int:
+        """Anchor positions available in sequence i (the rule of :func:`anchor_range`; the
+        default ``block_size=2`` counts every response position with a next token)."""
+        lo, hi = anchor_range(self.length(i), self.response_start(i), block_size, group_size)
+        return max(0, hi - lo + 1)
 
     def fingerprint(self) -> str:
         """Content fingerprint (index + token count + first/last MiB of tokens): identifies the
@@ -425,16 +429,24 @@ def _generator(*key: Any) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
+def anchor_range(length: int, response_start: int, block_size: int, group_size: int = 1
+                 ) -> tuple[int, int]:
+    """``(lo, hi)`` inclusive: anchors ``a`` in ``[1, S-B]`` with ``loss_mask[a]`` and
+    ``loss_mask[a+1]`` (the response starts at ``response_start``) and ``a >= G-1``."""
+    return max(response_start, 1, group_size - 1), length - block_size
+
+
 def sample_anchor_positions(
-    length: int, response_start: int, anchors_per_seq: Optional[int], key: tuple
+    length: int, response_start: int, anchors_per_seq: Optional[int], key: tuple,
+    block_size: int, group_size: int = 1,
 ) -> np.ndarray:
-    """Sorted anchor positions in ``[max(response_start, 1), length - 2]`` (int64).
+    """Sorted anchor positions (int64) of one sequence (see :func:`anchor_range`).
 
     All of them when ``anchors_per_seq`` is falsy or not smaller than the count; otherwise a
     uniform sample without replacement drawn from a generator keyed by ``key`` (e.g.
     ``(seed, stage, epoch, sequence index)``).
     """
-    lo, hi = max(response_start, 1), length - 2
+    lo, hi = anchor_range(length, response_start, block_size, group_size)
     if hi < lo:
         return np.zeros(0, dtype=np.int64)
     positions = np.arange(lo, hi + 1, dtype=np.int64)
@@ -494,9 +506,10 @@ class SequenceBatch:
     """One micro-batch: S sequences (right-padded) and their N anchors.
 
     input_ids ``[S, T]`` int64 (padding = 0), attention_mask ``[S, T]`` bool, lengths ``[S]``,
-    seq_index ``[N]``, anchor_pos ``[N]`` (t), anchor_ids ``[N]`` (x_t), labels ``[N, K]``
-    (``x_{t+1..t+K}``, 0 where invalid), label_mask ``[N, K]`` bool, seq_numbers ``[S]`` (store
-    indices), kinds (per sequence).
+    seq_index ``[N]``, anchor_pos ``[N]`` (a), anchor_ids ``[N]`` (x_a), group_ids ``[N, G]``
+    (``x_{a-G+1..a}``, anchor last), labels ``[N, K]`` (``x_{a+1..a+K}``, 0 where invalid),
+    label_mask ``[N, K]`` bool (all True under the authors' anchor rule), seq_numbers ``[S]``
+    (store indices), kinds (per sequence).
     """
 
     input_ids: torch.Tensor
@@ -505,6 +518,7 @@ class SequenceBatch:
     seq_index: torch.Tensor
     anchor_pos: torch.Tensor
     anchor_ids: torch.Tensor
+    group_ids: torch.Tensor
     labels: torch.Tensor
     label_mask: torch.Tensor
     seq_numbers: list[int]
@@ -528,8 +542,8 @@ class SequenceBatch:
         return SequenceBatch(**moved)
 
     def block_positions(self) -> torch.Tensor:
-        """``[N, K]`` positions ``t + i`` (i = 0..K-1) whose target distribution predicted the
-        label ``x_{t+i+1}``, clamped into the sequence (use ``label_mask`` for validity)."""
+        """``[N, K]`` positions ``a + k`` (k = 0..K-1) whose target distribution predicted the
+        label ``x_{a+k+1}``, clamped into the sequence (use ``label_mask`` for validity)."""
         K = self.labels.shape[1]
         pos = self.anchor_pos[:, None] + torch.arange(K, device=self.anchor_pos.device)
         return pos.clamp(max=self.input_ids.shape[1] - 1)
@@ -542,8 +556,10 @@ def collate(
     block_size: int,
     anchors_per_seq: Optional[int],
     key: tuple,
+    group_size: int = 1,
 ) -> SequenceBatch:
-    """Build a :class:`SequenceBatch`; anchors of sequence ``s`` use key ``key + (s,)``."""
+    """Build a :class:`SequenceBatch` (``block_size`` = B, counting the anchor: K = B-1 labels);
+    anchors of sequence ``s`` use key ``key + (s,)``."""
     S = len(seq_numbers)
     T = max(store.length(s) for s in seq_numbers)
     input_ids = torch.zeros(S, T, dtype=torch.long)
@@ -556,12 +572,14 @@ def collate(
         input_ids[row, :n] = toks
         attention_mask[row, :n] = True
         lengths[row] = n
-        pos = sample_anchor_positions(n, store.response_start(s), anchors_per_seq, key + (s,))
+        pos = sample_anchor_positions(n, store.response_start(s), anchors_per_seq, key + (s,),
+                                      block_size, group_size)
         anchor_pos.append(torch.from_numpy(pos))
         seq_index.append(torch.full((len(pos),), row, dtype=torch.long))
     seq_index_t = torch.cat(seq_index) if seq_index else torch.zeros(0, dtype=torch.long)
     anchor_pos_t = torch.cat(anchor_pos) if anchor_pos else torch.zeros(0, dtype=torch.long)
-    label_pos = anchor_pos_t[:, None] + 1 + torch.arange(block_size)  # [N, K]
+    K = block_size - 1
+    label_pos = anchor_pos_t[:, None] + 1 + torch.arange(K)  # [N, K]
     label_mask = label_pos < lengths[seq_index_t][:, None]
     labels = input_ids[seq_index_t[:, None], label_pos.clamp(max=T - 1)]
     labels = torch.where(label_mask, labels, 0)
@@ -572,6 +590,8 @@ def collate(
         seq_index=seq_index_t,
         anchor_pos=anchor_pos_t,
         anchor_ids=input_ids[seq_index_t, anchor_pos_t],
+        group_ids=input_ids[seq_index_t[:, None],
+                            (anchor_pos_t[:, None] - group_size + 1 + torch.arange(group_size)).clamp_min(0)],
         labels=labels,
         label_mask=label_mask,
         seq_numbers=list(seq_numbers),
@@ -644,6 +664,7 @@ __all__ = [
     "regenerate",
     "regenerate_in_subprocess",
     "regeneration_done",
+    "anchor_range",
     "sample_anchor_positions",
     "write_sequences_jsonl",
 ]

@@ -1,6 +1,6 @@
 """Target features for DLite training and evaluation, from two sources that must agree.
 
-Layer-index convention (DESIGN.md section 2, vLLM 0.32 aux ids): feature id ``i`` is the target's
+Layer-index convention (docs/design.md §2, vLLM 0.32 aux ids): feature id ``i`` is the target's
 residual stream after ``i`` decoder layers, pre-norm; id 0 = embedding output, id N = after the
 last decoder layer, BEFORE the final norm. Row ``p`` of a feature tensor is the residual stream at
 position ``p``, i.e. the row that predicts token ``p + 1``. A DLite anchor ``x_t`` reads row
@@ -180,8 +180,14 @@ class TargetFeatureExtractor:
         return self.model.get_input_embeddings().weight
 
     @property
+    def final_norm(self) -> tuple[torch.Tensor, float]:
+        """``(weight [H], eps)`` of the target's final norm (for ``DLiteDrafter.bind_target``)."""
+        norm = self.decoder.norm
+        return norm.weight, float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
-        """``[V, H]`` target vocabulary projection (for ``DLiteDrafter.bind_target``)."""
+        """``[V, H]`` target vocabulary projection (``p^T`` in the stable stage)."""
         return self.lm_head.weight
 
     # ------------------------------------------------------------------ forward
@@ -330,6 +336,7 @@ class HiddenStateFile:
     token_ids: torch.Tensor
     features: torch.Tensor
     layer_ids: Optional[list[int]]
+    row_start: int = 0  # features hold positions row_start..T-1 (DLite's files skip early prompt rows)
 
 
 def hs_file_path(directory: PathLike, index: int) -> Path:
@@ -338,7 +345,7 @@ def hs_file_path(directory: PathLike, index: int) -> Path:
 
 def write_hs_file(
     path: PathLike, token_ids: Sequence[int] | torch.Tensor, features: torch.Tensor,
-    layer_ids: Sequence[int],
+    layer_ids: Sequence[int], row_start: int = 0,
 ) -> Path:
     """Write one speculators/vLLM-format hidden-state file.
 
@@ -346,13 +353,17 @@ def write_hs_file(
     layout is exactly vLLM's ``ExampleHiddenStatesConnector`` output (``hidden_states``,
     ``token_ids``), plus ``layer_ids`` in the safetensors metadata. The write is atomic
     (temporary file + rename), so an interrupted run never leaves a truncated file.
+    ``row_start > 0`` stores only the rows of positions ``row_start..T-1`` (``features`` then has
+    ``T - row_start`` rows; recorded in the metadata; not a speculators file any more): DLite's
+    trainer never reads rows far before the response.
     """
     from safetensors.torch import save_file
 
     token_ids = torch.as_tensor(token_ids, dtype=torch.long).cpu().contiguous()
-    if features.dim() != 3 or features.shape[0] != token_ids.shape[0]:
+    if features.dim() != 3 or features.shape[0] != token_ids.shape[0] - row_start:
         raise ValueError(
-            f"features must be [T={token_ids.shape[0]}, L, H], got {tuple(features.shape)}"
+            f"features must be [T-row_start={token_ids.shape[0] - row_start}, L, H], got "
+            f"{tuple(features.shape)}"
         )
     if features.shape[1] != len(layer_ids):
         raise ValueError(f"features have {features.shape[1]} layers but layer_ids={layer_ids}")
@@ -362,7 +373,8 @@ def write_hs_file(
     save_file(
         {"hidden_states": features.detach().cpu().contiguous(), "token_ids": token_ids},
         str(tmp),
-        metadata={"format": "pt", LAYER_IDS_METADATA_KEY: json.dumps(list(map(int, layer_ids)))},
+        metadata={"format": "pt", LAYER_IDS_METADATA_KEY: json.dumps(list(map(int, layer_ids))),
+                  **({"row_start": str(int(row_start))} if row_start else {})},
     )
     tmp.replace(path)
     return path
@@ -403,7 +415,8 @@ def read_hs_file(path: PathLike, layer_ids: Optional[Sequence[int]] = None,
             raise ValueError(f"{path} holds layers {ids}; requested ids {missing} are missing")
         hidden = hidden[:, [ids.index(i) for i in layer_ids]]
         ids = list(layer_ids)
-    return HiddenStateFile(token_ids=token_ids, features=hidden, layer_ids=ids)
+    return HiddenStateFile(token_ids=token_ids, features=hidden, layer_ids=ids,
+                           row_start=int(metadata.get("row_start", 0)))
 
 
 @torch.no_grad()

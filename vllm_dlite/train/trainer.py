@@ -1,35 +1,43 @@
-"""DLite drafter training: teacher -> warm-up -> stable (paper Sec. 4.2, App. A.1; DESIGN.md 2).
+"""DLite drafter training to the authors' recipe (``DLITE_V1.md`` section 6, format ``dlite_v1``).
 
-Stages (each its own AdamW + warm-up/cosine schedule; epochs default to the paper's 8 / 2 / 6):
+Stages (each its own AdamW + warm-up/cosine schedule; paper epochs 8 / 2 / 6):
 
-* ``teacher``: the history-aware :class:`~vllm_dlite.model.HistoryTeacher` trained with token CE.
-* ``warmup``:  DLite (initialised from the teacher's shared weights unless
-  ``model.init_drafter_from_teacher: false``) trained with the position-weighted forward KL from
-  the frozen teacher.
-* ``stable``:  teacher removed; ``0.1 * CE + 1.0 * sum_i w_i ||p^T_i - q_i||_1`` where ``p^T`` is
-  the frozen target's own next-token distribution.
-  Loss averaging is documented in :mod:`vllm_dlite.train.losses`.
+* ``teacher``: the sliding-window teacher :class:`~vllm_dlite.model.teacher.SWATeacher`
+  (``swa_teacher``: the student's backbone and head plus ``W-1`` fused history slots) trained with
+  CE on the target's greedy tokens, the RNN fed the ground-truth previous tokens.
+* ``kl`` (stage 1): the student backbone from scratch; the teacher's sequential head is copied into
+  the student and FROZEN; loss ``sum_k w_k KL(p_teacher || q_student)`` over the head logits.
+* ``stable`` (stage 2): teacher removed, head unfrozen; ``lambda_CE * CE + lambda_TV * sum_k w_k
+  ||q - p||_1`` with ``p`` the target's teacher-forced distribution at positions ``a..a+B-2``.
+* Transition (the authors' schedule is unknown; ours): a hard switch at each stage boundary. The
+  student's head is the teacher's at the start of ``kl`` and becomes trainable at the start of
+  ``stable``, which starts a fresh optimizer whose learning rate re-warms (``optim.warmup_ratio``).
 
-Target features are computed ONLINE by the frozen target in every step (``data.feature_source:
-online``, the paper's setting), or read from speculators-format ``hs_*.safetensors`` files written
-once by this pipeline (``files``: cheaper for many epochs on small hardware, ~``2*L*H`` bytes per
-token on disk).
+``w_k = exp(-k / gamma)`` (0-based k), every loss normalised by the sum of ``w`` over the active
+positions, summed over ranks (:mod:`vllm_dlite.train.losses`). Anchors: up to
+``data.anchors_per_seq`` (authors: 512) per sequence, uniform without replacement from the
+authors' range (:func:`vllm_dlite.train.data.anchor_range`), redrawn every epoch.
+
+Target features (vLLM aux convention, pre-norm; the drafter/teacher apply the target's final norm
+to the last layer themselves) come ONLINE from the frozen target in every step (``data.
+feature_source: online``) or from feature files written once (``files``: per sequence only the
+rows from ``P - W - 1`` on, where ``P`` is the response start, for the union of the drafter's
+layers, the teacher's history layers and aux id N, which also gives ``p`` through the target's
+final norm + lm_head).
 
 Scale-out: ``torchrun --nproc-per-node G -m vllm_dlite.train ...``; gloo on CPU, nccl on GPU;
-``run.parallel: ddp`` (default) or ``fsdp`` (FSDP2 ``fully_shard`` of the trainable model: shards
-its parameters, gradients and optimizer states; for drafters of large targets). Every rank holds
-its own frozen target copy (bf16 on GPU). bf16 autocast on GPU (``run.precision``).
+``run.parallel: ddp`` (default) or ``fsdp``. bf16 autocast on GPU (``run.precision``).
 
 Exact resume: checkpoints (``run.checkpoint_every`` optimizer steps, and at the end of every stage)
 hold both models, the optimizer, the scheduler, every rank's RNG states and the data position
 (stage, epoch, step). Data order and anchor sampling are pure functions of ``(seed, stage, epoch,
-sequence)``, so a resumed run replays exactly the uninterrupted loss curve (same world size and
-thread count; GPU kernels may add their own non-determinism).
+sequence)``, so a resumed run replays the uninterrupted loss curve. ``run.stage_time_budget_s``
+ends a stage early (its LR schedule is then cut short; the report says so).
 
-Outputs: ``run.out`` receives the drafter checkpoint (``config.json`` + ``model.safetensors``,
-loadable by :func:`vllm_dlite.model.load_drafter` and vLLM), ``README.md`` and
+Outputs: ``run.out`` receives the drafter checkpoint (``config.json`` + ``model.safetensors`` in
+the authors' layout, :func:`vllm_dlite.model.save_pretrained`), ``README.md`` and
 ``training_report.json``; ``run.work_dir`` holds the regenerated data, feature files, the
-teacher, checkpoints, ``metrics.jsonl`` and TensorBoard events (if TensorBoard is installed).
+teacher, checkpoints and ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -53,7 +61,14 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_dlite.config import DLiteConfig
-from vllm_dlite.model import DLiteDrafter, HistoryTeacher
+from vllm_dlite.model import DLiteDrafter, save_pretrained
+from vllm_dlite.model.teacher import (
+    DEFAULT_WINDOW,
+    HEAD_PREFIX,
+    SWATeacher,
+    default_history_layer_ids,
+    gather_history,
+)
 from vllm_dlite.train import losses
 from vllm_dlite.train.data import (
     RegenerationConfig,
@@ -74,8 +89,8 @@ from vllm_dlite.train.features import (
     write_hs_file,
 )
 
-STAGES = ("teacher", "warmup", "stable")
-PAPER_EPOCHS = {"teacher": 8, "warmup": 2, "stable": 6}
+STAGES = ("teacher", "kl", "stable")
+PAPER_EPOCHS = {"teacher": 8, "kl": 2, "stable": 6}
 
 
 # =========================================================================== configuration
@@ -92,27 +107,25 @@ class DataSection:
     # regeneration settings; its max_len is always taken from data.max_len below
     regenerate: RegenerationConfig = field(default_factory=RegenerationConfig)
     max_len: int = 4096  # prompt + response cap (paper: 4096); longer sequences keep the tail
-    anchors_per_seq: Optional[int] = 128  # 0/None = every response position
+    anchors_per_seq: Optional[int] = 512  # per sequence and epoch (authors: 512); 0/None = all
     max_tokens_per_batch: int = 16384  # per rank and micro-batch, padded tokens
     max_seqs_per_batch: int = 16
     feature_source: str = "online"  # online | files
-    features_dir: Optional[str] = None  # files mode; None -> {work_dir}/data/features
+    features_dir: Optional[str] = None  # files mode; None -> {work_dir}/data/features_v1
     features_dtype: str = "bfloat16"  # dtype of written feature files
 
 
 @dataclass
 class ModelSection:
-    num_feature_layers: Optional[int] = None  # None: all layers if N <= 16, else round(14/36 N)
-    target_layer_ids: Optional[list[int]] = None  # explicit vLLM aux ids (overrides the above)
-    block_size: int = 7  # K = num_speculative_tokens
-    num_layers: Optional[int] = None  # draft depth; None: ~14% of the target's layers
-    head_rank: Optional[int] = None  # None: hidden_size // 8
-    hidden_size: Optional[int] = None  # None: the target's width
-    feature_mode: str = "sequence"  # sequence (paper) | feature (ablation)
+    num_feature_layers: Optional[int] = None  # L; None: min(N, 14/36 N) (paper: 14 of 36)
+    block_size: int = 8  # B, counting the anchor: K = B-1 drafted tokens
+    anchor_group_size: int = 1  # G: 1 (anchor only) or 2 (x_{a-1}, x_a; primes the head)
+    num_layers: Optional[int] = None  # draft depth n; None: round(0.14 N)
+    head_rank: Optional[int] = None  # r; None: hidden_size // 8
     mask_token_id: Optional[int] = None  # None: tokenizer's mask token / <|mask|> / padded id
-    history_window: Optional[int] = 1024  # teacher's history (None = unlimited)
-    init_drafter_from_teacher: bool = True
-    init_from: Optional[str] = None  # start DLite from an existing checkpoint directory
+    teacher_window: int = DEFAULT_WINDOW  # W: the teacher sees W-1 fused history slots
+    teacher_history_layer_ids: Optional[list[int]] = None  # None: [0, N//2, N-1] (0-based)
+    init_from: Optional[str] = None  # start the student from an existing dlite_v1 checkpoint
     dlite_overrides: dict[str, Any] = field(default_factory=dict)  # any other DLiteConfig field
 
 
@@ -133,9 +146,10 @@ class OptimSection:
 
 @dataclass
 class LossSection:
-    gamma: float = losses.DEFAULT_GAMMA
-    stable_ce_weight: float = losses.STABLE_CE_WEIGHT
-    stable_tv_weight: float = losses.STABLE_TV_WEIGHT
+    gamma: float = losses.DEFAULT_GAMMA  # w_k = exp(-k / gamma), k 0-based
+    stable_ce_weight: float = losses.STABLE_CE_WEIGHT  # lambda_CE (paper 0.1)
+    stable_tv_weight: float = losses.STABLE_TV_WEIGHT  # lambda_TV (paper 1)
+    teacher_position_weights: bool = True  # teacher CE weighted by w_k too (else uniform)
 
 
 @dataclass
@@ -155,12 +169,13 @@ class RunSection:
     tensorboard: bool = True
     export_dtype: str = "auto"  # dtype of the exported drafter; auto = the target's
     max_steps_per_stage: Optional[int] = None  # cap (smoke runs, timing)
+    stage_time_budget_s: dict[str, float] = field(default_factory=dict)  # stage -> seconds
     stop_after_steps: Optional[int] = None  # checkpoint and stop at this global step (tests)
 
 
 @dataclass
 class AblationSection:
-    stable_only: bool = False  # skip teacher + warm-up (paper's single-stage baseline)
+    stable_only: bool = False  # skip teacher + stage 1 (paper's single-stage baseline)
 
 
 @dataclass
@@ -194,10 +209,14 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
         """Strict: unknown keys raise ``ValueError`` naming the section and the known keys.
-        ``epochs`` is merged over the paper's defaults (stages not named keep 8 / 2 / 6)."""
+        ``epochs`` is merged over the paper's defaults (stages not named keep 8 / 2 / 6); the
+        earlier stage name ``warmup`` is read as ``kl``."""
         data = dict(data or {})
         if isinstance(data.get("epochs"), dict):
-            data["epochs"] = {**PAPER_EPOCHS, **data["epochs"]}
+            epochs = dict(data["epochs"])
+            if "warmup" in epochs:
+                epochs.setdefault("kl", epochs.pop("warmup"))
+            data["epochs"] = {**PAPER_EPOCHS, **epochs}
         return _build_dataclass(cls, data, "config")
 
     def validate(self) -> "TrainConfig":
@@ -215,11 +234,16 @@ class TrainConfig:
         stages = self.stages()
         if not stages:
             raise ValueError("nothing to train: every stage has 0 epochs")
-        if "warmup" in stages and "teacher" not in stages:
+        if "kl" in stages and "teacher" not in stages:
             raise ValueError(
-                "epochs.warmup > 0 needs a trained teacher (epochs.teacher > 0); set "
-                "epochs.warmup: 0 or use --ablation stable_only"
+                "epochs.kl > 0 needs a trained teacher (epochs.teacher > 0); set "
+                "epochs.kl: 0 or use --ablation stable_only"
             )
+        if self.model.anchor_group_size not in (1, 2) and self.model.anchor_group_size < 1:
+            raise ValueError("model.anchor_group_size must be >= 1")
+        unknown = sorted(set(self.run.stage_time_budget_s) - set(STAGES))
+        if unknown:
+            raise ValueError(f"run.stage_time_budget_s has unknown stages {unknown}")
         if self.data.feature_source not in ("online", "files"):
             raise ValueError("data.feature_source must be 'online' or 'files'")
         if self.run.parallel not in ("ddp", "fsdp"):
@@ -339,9 +363,9 @@ class StopTraining(Exception):
 
 
 def default_num_feature_layers(num_target_layers: int) -> int:
-    """Paper: 14 of Qwen3-8B's 36 layers; a small target (<= 16 layers) uses all of them."""
+    """Paper: 14 of Qwen3-8B's 36 layers; the same fraction (at least 2) for other targets."""
     n = num_target_layers
-    return n if n <= 16 else max(2, round(14 * n / 36))
+    return min(n, max(2, round(14 * n / 36)))
 
 
 def resolve_mask_token_id(target_path: str, target_cfg: dict[str, Any]) -> int:
@@ -462,8 +486,8 @@ class Trainer:
             start = stages.index(state["stage"]) if state else 0
             for stage in stages[start:]:
                 resume = state if state and state["stage"] == stage else None
-                if stage == "warmup" and resume is None and cfg.model.init_drafter_from_teacher:
-                    self._init_drafter_from_teacher()
+                if stage == "kl" and resume is None:
+                    self._copy_teacher_head()
                 self._train_stage(stage, resume)
                 state = None
             self._finish()
@@ -502,14 +526,18 @@ class Trainer:
             wait_for_file(ready, newer_than=self.t_start - 1)
         barrier(info)
         store = SequenceStore.open(path, cfg.data.max_len, build=False)
-        keep = [i for i in range(len(store)) if store.num_anchors(i) > 0]
+        B, G = cfg.model.block_size, cfg.model.anchor_group_size
+        keep = [i for i in range(len(store)) if store.num_anchors(i, B, G) > 0]
         if not keep:
-            raise ValueError(f"{path}: no sequence has a response of >= 2 tokens to train on")
+            raise ValueError(f"{path}: no sequence has a response of >= {B} tokens (one block) "
+                             "to train on")
         self.store = store
         self.train_indices = np.asarray(keep, dtype=np.int64)
         self.report["data"] = dict(
             sequences=str(path), num_sequences=len(keep), tokens=int(store.lengths[keep].sum()),
-            anchors_available=int(sum(store.num_anchors(i) for i in keep)),
+            anchors_available=int(sum(store.num_anchors(i, B, G) for i in keep)),
+            anchors_per_epoch=int(sum(min(store.num_anchors(i, B, G), cfg.data.anchors_per_seq
+                                          or 1 << 62) for i in keep)),
         )
 
     # ------------------------------------------------------------------ models
@@ -519,31 +547,34 @@ class Trainer:
         t = self.target_hf_config
         n_layers = t["num_hidden_layers"]
         m = cfg.model
-        mask_id = (
-            m.mask_token_id
-            if m.mask_token_id is not None
-            else resolve_mask_token_id(cfg.target.path, t)
-        )
-        overrides: dict[str, Any] = dict(block_size=m.block_size, feature_mode=m.feature_mode)
-        overrides.update(m.dlite_overrides)
-        for name in ("num_layers", "head_rank", "hidden_size", "target_layer_ids"):
-            if getattr(m, name) is not None:
-                overrides[name] = getattr(m, name)
         if m.init_from:
             from vllm_dlite.model import read_checkpoint_config
 
             _, dlite_cfg = read_checkpoint_config(m.init_from)
         else:
+            mask_id = (m.mask_token_id if m.mask_token_id is not None
+                       else resolve_mask_token_id(cfg.target.path, t))
+            overrides: dict[str, Any] = dict(block_size=m.block_size,
+                                             anchor_group_size=m.anchor_group_size)
+            if m.num_layers is not None:
+                overrides["num_hidden_layers"] = m.num_layers
+            if m.head_rank is not None:
+                overrides["sequential_rank"] = m.head_rank
+            overrides.update(m.dlite_overrides)
             dlite_cfg = DLiteConfig.for_target(
-                t,
-                num_feature_layers=m.num_feature_layers or default_num_feature_layers(n_layers),
-                mask_token_id=mask_id,
-                target_name=str(t.get("_name_or_path") or Path(cfg.target.path).name),
-                **overrides,
+                t, num_feature_layers=m.num_feature_layers or default_num_feature_layers(n_layers),
+                mask_token_id=mask_id, **overrides,
             )
         self.dlite_config = dlite_cfg
-        self.layer_ids = list(dlite_cfg.target_layer_ids)
         self.num_target_layers = n_layers
+        self.history_layer_ids = list(m.teacher_history_layer_ids or
+                                      default_history_layer_ids(n_layers))
+        # aux ids: the drafter's, the teacher's history layers, and N (p^T); one file layout
+        self.feature_aux_ids = sorted(set(dlite_cfg.aux_layer_ids)
+                                      | {j + 1 for j in self.history_layer_ids} | {n_layers})
+        self.cur_idx = [self.feature_aux_ids.index(i) for i in dlite_cfg.aux_layer_ids]
+        self.hist_idx = [self.feature_aux_ids.index(j + 1) for j in self.history_layer_ids]
+        self.last_idx = self.feature_aux_ids.index(n_layers)
 
         device = info.device
         precision = cfg.run.precision
@@ -554,36 +585,39 @@ class Trainer:
         if target_dtype is None:
             target_dtype = torch.float32 if device.type == "cpu" else None  # None = checkpoint
 
-        torch.manual_seed(cfg.run.seed)  # identical init on every rank
         if cfg.data.feature_source == "online":
             self.extractor = TargetFeatureExtractor.from_pretrained(
-                cfg.target.path, self.layer_ids, dtype=target_dtype or "auto", device=device,
+                cfg.target.path, self.feature_aux_ids, dtype=target_dtype or "auto", device=device,
                 attn_implementation=cfg.target.attn_implementation,
             )
-            self.target_head = None
-            embed, lm_head = self.extractor.embed_weight, self.extractor.lm_head_weight
+            self.target_head = self.extractor.head()
+            embed = self.extractor.embed_weight
         else:
             self.extractor = None
             self.target_head = TargetHead.from_pretrained(cfg.target.path, target_dtype, device)
-            embed, lm_head = self.target_head.embed_weight, self.target_head.lm_head_weight
+            embed = self.target_head.embed_weight
+        norm_w, eps = self.target_head.norm_weight, self.target_head.eps
 
+        torch.manual_seed(cfg.run.seed)  # identical init on every rank
         if m.init_from:
             from vllm_dlite.model import load_drafter
 
             self.drafter = load_drafter(m.init_from, device=device, dtype=torch.float32).train()
         else:
-            self.drafter = DLiteDrafter.from_config(dlite_cfg).to(device)
-        self.drafter.bind_target(
-            None if self.drafter.embed_tokens is not None else embed,
-            None if self.drafter.lm_head is not None else lm_head,
-        )
+            self.drafter = DLiteDrafter(dlite_cfg).to(device)
+        self.drafter.bind_target(embed.float(), norm_w.float(), eps)
         self.teacher = None
-        if "teacher" in cfg.stages() or "warmup" in cfg.stages():
-            self.teacher = HistoryTeacher.from_drafter(
-                self.drafter, history_window=m.history_window
-            )
+        if "teacher" in cfg.stages() or "kl" in cfg.stages():
+            torch.manual_seed(cfg.run.seed + 1)
+            self.teacher = SWATeacher(dlite_cfg, window=m.teacher_window,
+                                      history_layer_ids=self.history_layer_ids).to(device)
+            self.teacher.bind_target(embed.float(), norm_w.float(), eps)
         self.report["model"] = dict(
+            format="dlite_v1",
             dlite_config=dlite_cfg.to_dict(),
+            aux_layer_ids=dlite_cfg.aux_layer_ids,
+            teacher=dict(window=m.teacher_window, history_layer_ids=self.history_layer_ids)
+            if self.teacher is not None else None,
             drafter_parameters=sum(p.numel() for p in self.drafter.parameters()),
             teacher_parameters=sum(p.numel() for p in self.teacher.parameters())
             if self.teacher is not None else 0,
@@ -597,20 +631,23 @@ class Trainer:
     # ------------------------------------------------------------------ feature files
     def _features_dir(self) -> Path:
         d = self.cfg.data
-        return Path(d.features_dir) if d.features_dir else self.work / "data" / "features"
+        return Path(d.features_dir) if d.features_dir else self.work / "data" / "features_v1"
 
-    def _file_layer_ids(self) -> list[int]:
-        return sorted(set(self.layer_ids) | {self.num_target_layers})
+    def _row_start(self, i: int) -> int:
+        """First stored feature row of sequence i: the teacher's window before the first anchor."""
+        W = max(self.cfg.model.teacher_window, 1)
+        return max(0, self.store.response_start(i) - W - 1)
 
     def _prepare_features(self) -> None:
-        """Files mode: every rank writes its share of missing ``hs_i`` files (i = store index)."""
+        """Files mode: every rank writes its share of missing ``hs_i`` files (i = store index),
+        rows ``_row_start(i)..T-1`` of the layers ``feature_aux_ids``."""
         if self.cfg.data.feature_source != "files":
             return
         cfg, info = self.cfg, self.info
         hs_dir = self._features_dir() / HS_DIRNAME
-        source = dict(sequences=self.store.fingerprint(), layer_ids=self._file_layer_ids(),
+        source = dict(sequences=self.store.fingerprint(), layer_ids=self.feature_aux_ids,
                       dtype=cfg.data.features_dtype, target=str(Path(cfg.target.path).resolve()),
-                      target_dtype=cfg.target.dtype)
+                      target_dtype=cfg.target.dtype, window=cfg.model.teacher_window)
         source_file = self._features_dir() / "source.json"
         if info.is_main:
             known = json.loads(source_file.read_text()) if source_file.is_file() else None
@@ -626,11 +663,12 @@ class Trainer:
         barrier(info)
         todo = [int(i) for i in self.train_indices[info.rank :: info.world_size]
                 if not hs_file_path(hs_dir, int(i)).exists()]
+        t0 = time.time()
         if todo:
             target_dtype = torch_dtype(cfg.target.dtype) or (
                 torch.float32 if info.device.type == "cpu" else "auto")
-            extractor = TargetFeatureExtractor.from_pretrained(
-                cfg.target.path, self._file_layer_ids(), dtype=target_dtype, device=info.device,
+            extractor = self.extractor or TargetFeatureExtractor.from_pretrained(
+                cfg.target.path, self.feature_aux_ids, dtype=target_dtype, device=info.device,
                 attn_implementation=cfg.target.attn_implementation,
             )
             store_dtype = torch_dtype(cfg.data.features_dtype)
@@ -641,26 +679,31 @@ class Trainer:
                 iterator = tqdm(todo, desc="target features", unit="seq", dynamic_ncols=True)
             for i in iterator:
                 ids = torch.from_numpy(self.store.token_ids(i).astype(np.int64))
-                feats = extractor(ids).features[0]
+                start = self._row_start(i)
+                feats = extractor(ids).features[0, start:]
                 write_hs_file(hs_file_path(hs_dir, i), ids,
                               feats.to(store_dtype) if store_dtype else feats,
-                              extractor.layer_ids)
+                              extractor.layer_ids, row_start=start)
             del extractor
         barrier(info)
+        if info.is_main:
+            self.report.setdefault("features", dict(
+                dir=str(self._features_dir()), aux_layer_ids=self.feature_aux_ids,
+                dtype=cfg.data.features_dtype))
+            if todo:
+                self.report["features"]["wall_s"] = round(time.time() - t0, 1)
 
-    def _batch_features(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """``(features [S, T, L, Ht], last_hidden [S, T, Ht] (pre-norm id N), final_hidden or
-        None)`` for a batch, online or from files."""
+    def _batch_features(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows [S, T', Lf, H], row_start [S])``: the ``feature_aux_ids`` features of positions
+        ``row_start[s] ..`` (online: every position, row_start 0)."""
         if self.extractor is not None:
             out = self.extractor(batch.input_ids, batch.attention_mask)
-            return out.features, out.last_hidden, out.final_hidden
+            S = batch.input_ids.shape[0]
+            return out.features, torch.zeros(S, dtype=torch.long, device=out.features.device)
         hs_dir = self._features_dir() / HS_DIRNAME
-        S, T = batch.input_ids.shape
-        feats = None
-        last = None
+        files = []
         for row, s in enumerate(batch.seq_numbers):
-            f = read_hs_file(hs_file_path(hs_dir, s), layer_ids=self.layer_ids + [
-                self.num_target_layers])
+            f = read_hs_file(hs_file_path(hs_dir, s), layer_ids=self.feature_aux_ids)
             n = int(batch.lengths[row])
             if f.token_ids.shape[0] != n or not torch.equal(
                 f.token_ids, batch.input_ids[row, :n].cpu()
@@ -669,14 +712,15 @@ class Trainer:
                     f"{hs_file_path(hs_dir, s)} holds other tokens than sequence {s}: the feature "
                     "files are stale; delete the features directory to rebuild them"
                 )
-            if feats is None:
-                L, H = len(self.layer_ids), f.features.shape[-1]
-                feats = torch.zeros(S, T, L, H, dtype=f.features.dtype)
-                last = torch.zeros(S, T, H, dtype=f.features.dtype)
-            feats[row, :n] = f.features[:, :-1]
-            last[row, :n] = f.features[:, -1]
+            files.append(f)
+        T = max(f.features.shape[0] for f in files)
+        Lf, H = files[0].features.shape[1:]
+        rows = torch.zeros(len(files), T, Lf, H, dtype=files[0].features.dtype)
+        for row, f in enumerate(files):
+            rows[row, : f.features.shape[0]] = f.features
+        starts = torch.tensor([f.row_start for f in files], dtype=torch.long)
         device = self.info.device
-        return feats.to(device), last.to(device), None
+        return rows.to(device), starts.to(device)
 
     # ------------------------------------------------------------------ losses
     def _autocast(self):
@@ -684,33 +728,43 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.info.device.type, dtype=self.autocast_dtype)
 
-    def _target_probs(self, batch, idx, last_hidden, final_hidden) -> torch.Tensor:
-        """``p^T [n, K, V]`` fp32 for anchors ``idx``: the target's distribution at positions
-        ``t + i`` (i = 0..K-1), i.e. the one that predicted label ``x_{t+i+1}``."""
+    def _rows_at(self, rows, row_start, seq_index, pos, layer_idx):
+        """Feature rows ``[..., len(layer_idx) or H]`` at absolute positions ``pos`` (any shape
+        broadcastable with ``seq_index``)."""
+        local = pos - row_start[seq_index]
+        if bool((local < 0).any()) or bool((local >= rows.shape[1]).any()):
+            raise RuntimeError("an anchor reads a feature row that was not stored (feature files "
+                               "built for another teacher window?); delete the features dir")
+        return rows[seq_index, local][..., layer_idx, :].float()
+
+    def _target_probs(self, batch, idx, rows, row_start) -> torch.Tensor:
+        """``p [n, K, V]`` fp32 for anchors ``idx``: the target's distribution at positions
+        ``a + k`` (k = 0..K-1), i.e. the one that predicted label ``x_{a+k+1}``."""
         pos = batch.block_positions()[idx]  # [n, K]
-        rows = batch.seq_index[idx][:, None]
-        if final_hidden is not None:
-            logits = self.extractor.logits(final_hidden[rows, pos])
-        else:
-            logits = self.target_head.logits(last_hidden[rows, pos])
-        return torch.softmax(logits.float(), dim=-1)
+        seq = batch.seq_index[idx][:, None].expand_as(pos)
+        last = self._rows_at(rows, row_start, seq, pos, self.last_idx)
+        return torch.softmax(self.target_head.logits(last).float(), dim=-1)
 
     def _micro_batch_loss(
         self, stage: str, model: nn.Module, batch: SequenceBatch, sync_last: bool
     ) -> dict[str, Any]:
         """Forward + backward of one micro-batch (in anchor chunks); returns detached metrics.
 
-        Chunks combine exactly: each chunk's mean is scaled by its share of the denominator
-        (valid tokens for CE, anchors for KL/TV), so the summed gradient equals the full batch's.
+        Every loss is ``sum m w D / Z`` with ``Z`` = the sum of the position weights over the
+        active positions of the micro-batch on ALL ranks (all-reduced); each rank's loss is
+        multiplied by the world size because DDP averages gradients. Chunks just add numerators.
         """
         cfg = self.cfg
-        features, last_hidden, final_hidden = self._batch_features(batch)
+        rows, row_start = self._batch_features(batch)
         N, K = batch.labels.shape
         mask = batch.label_mask
         chunks = self._anchor_chunks(N, mask.device)
-        weights = losses.position_weights(K, cfg.loss.gamma, device=mask.device)
-        total_tokens = mask.sum().clamp_min(1).float()
-        total_anchors = (mask.sum(1) > 0).sum().clamp_min(1).float()
+        w = self._weights(stage, K, mask.device)
+        z = losses.normaliser(mask, w).reshape(1).to(torch.float64)
+        if self.info.enabled:
+            z = z.to(self.info.device)
+            dist.all_reduce(z)
+        denom = float(z.item()) / self.info.world_size
         scale = 1.0 / cfg.optim.grad_accum_steps
         metrics: dict[str, Any] = {"hits": torch.zeros(K), "counts": torch.zeros(K)}
         comps: dict[str, float] = {}
@@ -724,21 +778,24 @@ class Trainer:
             if padding:
                 idx = torch.zeros(1, dtype=torch.long, device=mask.device)
             with sync:
-                loss, parts, logits = self._chunk_loss(stage, model, batch, idx, features,
-                                                       last_hidden, final_hidden, weights,
-                                                       total_tokens, total_anchors)
+                loss, parts, logits = self._chunk_loss(stage, model, batch, idx, rows, row_start,
+                                                       w, denom)
                 (loss * (0.0 if padding else scale)).backward()
             if padding:
                 continue
             loss_total += float(loss.detach())
-            for name, (value, share, _) in parts.items():
-                comps[name] = comps.get(name, 0.0) + float(value.detach()) * float(share)
-            hits, counts = losses.position_accuracy(logits.detach(), batch.labels[idx],
-                                                    mask[idx])
-            metrics["hits"] += hits.cpu()
-            metrics["counts"] += counts.cpu()
+            for name, value in parts.items():
+                comps[name] = comps.get(name, 0.0) + float(value)
+            hits, counts = losses.position_accuracy(logits.detach(), batch.labels[idx], mask[idx])
+            metrics["hits"] += hits
+            metrics["counts"] += counts
         metrics.update(loss=loss_total, anchors=N, tokens=batch.num_tokens, **comps)
         return metrics
+
+    def _weights(self, stage: str, K: int, device) -> torch.Tensor:
+        if stage == "teacher" and not self.cfg.loss.teacher_position_weights:
+            return torch.ones(K, device=device)
+        return losses.position_weights(K, self.cfg.loss.gamma, device=device)
 
     def _anchor_chunks(self, num_anchors: int, device: torch.device) -> list[torch.Tensor]:
         """Split ``0..N-1`` into chunks of <= ``optim.anchor_chunk_size``; under
@@ -753,46 +810,45 @@ class Trainer:
             count = int(t.item())
         return list(torch.tensor_split(torch.arange(num_anchors, device=device), count))
 
-    def _chunk_loss(self, stage, model, batch, idx, features, last_hidden, final_hidden,
-                    weights, total_tokens, total_anchors):
-        """Loss of anchors ``idx`` scaled by their share of the micro-batch's denominators;
-        returns ``(loss, {name: (value, share, coefficient)}, student logits)``."""
+    def _chunk_loss(self, stage, model, batch, idx, rows, row_start, w, denom):
+        """Loss of anchors ``idx``: numerators over the micro-batch normaliser ``denom``;
+        returns ``(loss, {name: value as a share of the micro-batch mean}, student logits)``."""
         cfg = self.cfg
         m = batch.label_mask[idx]
-        share_tok = m.sum().float() / total_tokens
-        share_anc = (m.sum(1) > 0).sum().float() / total_anchors
+        seq, pos = batch.seq_index[idx], batch.anchor_pos[idx]
+        feats = self._rows_at(rows, row_start, seq, pos - 1, self.cur_idx)  # [n, L, H] at a-1
+        group, labels = batch.group_ids[idx], batch.labels[idx]
         with self._autocast():
             if stage == "teacher":
-                logits = self._teacher_logits(model, features, batch, idx)
+                logits = self._teacher_logits(model, rows, row_start, batch, idx, feats)
             else:
-                anchor_feats = features[batch.seq_index[idx], batch.anchor_pos[idx] - 1]
-                logits = model(anchor_feats, batch.anchor_ids[idx], batch.labels[idx])
+                logits = model(feats, group, labels)
         if stage == "teacher":
-            parts = {"ce": (losses.ce_loss(logits, batch.labels[idx], m), share_tok, 1.0)}
-        elif stage == "warmup":
+            parts = {"ce": losses.weighted_sum(losses.ce_per_position(logits, labels), m, w)}
+            coefs = {"ce": 1.0}
+        elif stage == "kl":
             with torch.no_grad(), self._autocast():
-                t_logits = self._teacher_logits(self.teacher, features, batch, idx)
-            parts = {"kl": (losses.forward_kl(t_logits, logits, weights, m), share_anc, 1.0)}
+                t_logits = self._teacher_logits(self.teacher, rows, row_start, batch, idx, feats)
+            parts = {"kl": losses.weighted_sum(losses.kl_per_position(t_logits, logits), m, w)}
+            coefs = {"kl": 1.0}
         else:
-            p_t = self._target_probs(batch, idx, last_hidden, final_hidden)
+            p_t = self._target_probs(batch, idx, rows, row_start)
             parts = {
-                "ce": (losses.ce_loss(logits, batch.labels[idx], m), share_tok,
-                       cfg.loss.stable_ce_weight),
-                "tv": (losses.tv_l1(p_t, logits, weights, m), share_anc,
-                       cfg.loss.stable_tv_weight),
+                "ce": losses.weighted_sum(losses.ce_per_position(logits, labels), m, w),
+                "tv": losses.weighted_sum(losses.l1_per_position(p_t, logits), m, w),
             }
-        loss = sum(value * share * coef for value, share, coef in parts.values())
-        return loss, parts, logits
+            coefs = {"ce": cfg.loss.stable_ce_weight, "tv": cfg.loss.stable_tv_weight}
+        loss = sum(parts[k] * coefs[k] for k in parts) / denom
+        return loss, {k: v.detach() / denom for k, v in parts.items()}, logits
 
-    @staticmethod
-    def _teacher_logits(teacher: nn.Module, features: torch.Tensor, batch: SequenceBatch,
-                        idx: torch.Tensor) -> torch.Tensor:
-        """Teacher forward for anchors ``idx``, given only the sequences they come from (its
-        packed attention costs ~ anchors-per-sequence squared, and history is projected per
-        sequence: chunking anchors bounds both)."""
-        used, local = torch.unique(batch.seq_index[idx], return_inverse=True)
-        return teacher(features[used], batch.input_ids[used], local, batch.anchor_pos[idx],
-                       batch.labels[idx])
+    def _teacher_logits(self, teacher: nn.Module, rows, row_start, batch: SequenceBatch,
+                        idx: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Teacher forward for anchors ``idx`` with their history windows."""
+        module = getattr(teacher, "module", teacher)
+        seq, pos = batch.seq_index[idx], batch.anchor_pos[idx]
+        hist_rows = rows[..., self.hist_idx, :]
+        history, valid = gather_history(hist_rows, row_start, seq, pos, module.num_history_slots)
+        return teacher(feats, batch.group_ids[idx], batch.labels[idx], False, history.float(), valid)
 
     @staticmethod
     def _no_sync(model: nn.Module):
@@ -825,13 +881,16 @@ class Trainer:
         return len(self._plan(stage, epoch)) // self.cfg.optim.grad_accum_steps
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        """Wrap once per module (DDP/FSDP must not wrap the same module twice)."""
+        """Wrap once per module and set of trainable parameters (DDP registers the trainable
+        parameters when it wraps: the student is wrapped again when its head is unfrozen)."""
         if not self.info.enabled:
             return model
         cache = self.__dict__.setdefault("_wrapped", {})
-        if id(model) not in cache:
-            cache[id(model)] = self._make_wrapper(model)
-        return cache[id(model)]
+        key = (id(model), tuple(n for n, p in model.named_parameters() if p.requires_grad))
+        if key not in cache:
+            cache[key] = self._make_wrapper(model)
+        cache[id(model)] = cache[key]
+        return cache[key]
 
     def _make_wrapper(self, model: nn.Module) -> nn.Module:
         if self.cfg.run.parallel == "fsdp":
@@ -848,9 +907,10 @@ class Trainer:
     def _train_stage(self, stage: str, resume: Optional[dict[str, Any]]) -> None:
         cfg, info = self.cfg, self.info
         model = self.teacher if stage == "teacher" else self.drafter
-        if stage == "warmup":
-            self.teacher.eval().requires_grad_(False)
         model.train().requires_grad_(True)
+        if stage == "kl":
+            self.teacher.eval().requires_grad_(False)
+            model.sequential_head.requires_grad_(False)  # the teacher's head, frozen in stage 1
         wrapped = self._wrap(model)
         opt = torch.optim.AdamW(
             param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
@@ -879,11 +939,13 @@ class Trainer:
 
             bar = tqdm(total=total, initial=stage_step, desc=stage, unit="step",
                        dynamic_ncols=True, file=sys.stderr)
-        window = _Window(self.dlite_config.block_size)
+        window = _Window(self.dlite_config.num_draft_tokens)
         if resume is not None and getattr(self, "_resume_window", None):
             window.__dict__.update(self._resume_window)  # a log window cut by the checkpoint
         accum = cfg.optim.grad_accum_steps
-        t_stage = time.time()
+        t_stage = time.time() - (float(resume.get("stage_elapsed_s", 0.0)) if resume else 0.0)
+        budget = cfg.run.stage_time_budget_s.get(stage)
+        truncated = False
         done = stage_step >= total
         for epoch in range(epoch0, epochs):
             if done:
@@ -897,11 +959,13 @@ class Trainer:
                         self.store, seqs, block_size=self.dlite_config.block_size,
                         anchors_per_seq=cfg.data.anchors_per_seq,
                         key=(cfg.run.seed, stage, epoch),
+                        group_size=self.dlite_config.anchor_group_size,
                     ).to(info.device)
                     window.add(self._micro_batch_loss(stage, wrapped, batch, micro == accum - 1))
                     window.micro += 1
                 grad_norm = nn.utils.clip_grad_norm_(
-                    model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30
+                    [p for p in model.parameters() if p.requires_grad],
+                    cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e30,
                 )
                 opt.step()
                 sched.step()
@@ -918,15 +982,23 @@ class Trainer:
                     bar.set_postfix(loss=f"{window.last_loss:.4f}", epoch=epoch)
                 if stage_step % cfg.run.log_every == 0 or stage_step == total:
                     self._log_metrics(stage, epoch, stage_step, total, sched, window)
-                    window = _Window(self.dlite_config.block_size)
-                position = dict(epoch=epoch, step_in_epoch=step + 1)
+                    window = _Window(self.dlite_config.num_draft_tokens)
+                position = dict(epoch=epoch, step_in_epoch=step + 1,
+                                stage_elapsed_s=time.time() - t_stage)
                 if step + 1 == steps_per_epoch[epoch]:
-                    position = dict(epoch=epoch + 1, step_in_epoch=0)
+                    position.update(epoch=epoch + 1, step_in_epoch=0)
                 every = cfg.run.checkpoint_every
                 stop = cfg.run.stop_after_steps is not None and \
                     self.global_step >= cfg.run.stop_after_steps
                 if stage_step >= total:
                     done = True
+                    break
+                if budget is not None and self._agree(time.time() - t_stage >= budget):
+                    self._log_console(f"stage {stage}: time budget {budget:.0f} s reached at "
+                                      f"step {stage_step}/{total}; next stage")
+                    if stage_step % cfg.run.log_every:
+                        self._log_metrics(stage, epoch, stage_step, total, sched, window)
+                    truncated = done = True
                     break
                 if (every and self.global_step % every == 0) or stop:
                     self._save_checkpoint(stage, stage_step, position, wrapped, opt, sched,
@@ -935,11 +1007,13 @@ class Trainer:
                     raise StopTraining
         if bar is not None:
             bar.close()
-        self._save_checkpoint(stage, stage_step, dict(epoch=epochs, step_in_epoch=0), wrapped,
-                              opt, sched)
+        wall = round(time.time() - t_stage, 1)
         self.report["stages"][stage] = dict(
-            epochs=epochs, steps=total, wall_s=round(time.time() - t_stage, 1)
+            epochs=epochs, steps=stage_step, planned_steps=total, wall_s=wall,
+            **({"stopped_by_time_budget_s": budget} if truncated else {}),
         )
+        self._save_checkpoint(stage, stage_step, dict(epoch=epochs, step_in_epoch=0,
+                                                      stage_elapsed_s=wall), wrapped, opt, sched)
         if stage == "teacher":
             from safetensors.torch import save_file
 
@@ -951,15 +1025,23 @@ class Trainer:
             raise StopTraining
         del wrapped
 
-    def _init_drafter_from_teacher(self) -> None:
-        """DLite starts from the trained teacher's shared weights (all but ``history_*``)."""
-        from vllm_dlite.model.teacher import HISTORY_PARAM_PREFIXES
+    def _agree(self, flag: bool) -> bool:
+        """True when any rank says so (ranks must leave a stage at the same step)."""
+        if not self.info.enabled:
+            return bool(flag)
+        t = torch.tensor([1.0 if flag else 0.0], device=self.info.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
 
+    def _copy_teacher_head(self) -> None:
+        """Stage 1 starts with the teacher's sequential head in the student (frozen there);
+        the student's backbone keeps its fresh initialisation (trained from scratch)."""
         teacher = self.__dict__.get("_wrapped", {}).get(id(self.teacher), self.teacher)
         state = full_model_state(teacher, all_ranks=True)  # collective under FSDP
-        self.drafter.load_state_dict(
-            {k: v for k, v in state.items() if not k.startswith(HISTORY_PARAM_PREFIXES)}
-        )
+        head = {k: v for k, v in state.items() if k.startswith(HEAD_PREFIX)}
+        missing, unexpected = self.drafter.load_state_dict(head, strict=False)
+        if unexpected or len(head) != len(self.drafter.sequential_head.state_dict()):
+            raise RuntimeError(f"teacher head does not fit the student: {unexpected}")
 
     # ------------------------------------------------------------------ logging
     def _open_logs(self) -> None:
@@ -1118,15 +1200,11 @@ class Trainer:
         export_dtype = torch_dtype(cfg.run.export_dtype) if cfg.run.export_dtype != "auto" \
             else torch_dtype(self.target_hf_config.get("torch_dtype")
                              or self.target_hf_config.get("dtype") or "float32")
-        drafter = DLiteDrafter(
-            self.dlite_config,
-            own_embed_tokens=self.drafter.embed_tokens is not None,
-            own_lm_head=self.drafter.lm_head is not None,
-        )
+        drafter = DLiteDrafter(self.dlite_config)
         drafter.load_state_dict(drafter_state)
-        drafter = drafter.to(export_dtype or torch.float32)
         self.out.mkdir(parents=True, exist_ok=True)
-        drafter.save_pretrained(self.out, self.target_hf_config)
+        save_pretrained(drafter, self.out, self.target_hf_config, export_dtype or torch.float32)
+        self.report["export_dtype"] = str(export_dtype or torch.float32).removeprefix("torch.")
         self.report.update(
             target=cfg.target.path, out=str(self.out), work_dir=str(self.work),
             world_size=info.world_size, device=str(info.device),
@@ -1198,9 +1276,10 @@ def _readme(report: dict[str, Any], dlite: DLiteConfig) -> str:
         "History-free DLite drafter (arXiv 2610.23787) trained by `vllm_dlite.train`.",
         "",
         f"- Command: `{report.get('command')}`",
-        f"- Target layers (vLLM aux ids): {dlite.target_layer_ids}; K = {dlite.block_size}; "
-        f"depth {dlite.num_layers}; width {dlite.hidden_size}; head rank {dlite.head_rank}; "
-        f"feature mode {dlite.feature_mode}",
+        f"- Format dlite_v1: target layers {dlite.target_layer_ids} (vLLM aux ids "
+        f"{dlite.aux_layer_ids}); B = {dlite.block_size} (K = {dlite.num_draft_tokens}); "
+        f"G = {dlite.anchor_group_size}; depth {dlite.num_hidden_layers}; width "
+        f"{dlite.hidden_size}; head rank {dlite.sequential_rank}; mask token {dlite.mask_token_id}",
         f"- Data: {data.get('num_sequences')} on-policy sequences "
         f"({data.get('tokens')} tokens, {data.get('anchors_available')} anchors) from "
         f"`{data.get('sequences')}`",
@@ -1221,7 +1300,7 @@ def _readme(report: dict[str, Any], dlite: DLiteConfig) -> str:
     lines += [
         "",
         "Serve with vLLM: `--speculative-config '{\"method\": \"dlite\", "
-        f"\"model\": \"<this dir>\", \"num_speculative_tokens\": {dlite.block_size}}}'`.",
+        f"\"model\": \"<this dir>\", \"num_speculative_tokens\": {dlite.num_draft_tokens}}}'`.",
         "",
     ]
     return "\n".join(lines)
