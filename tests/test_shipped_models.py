@@ -54,14 +54,10 @@ def test_no_draft_kv_cache(shipped_replays):
 
 @pytest.mark.slow
 def test_vllm_tau_matches_offline_estimator(shipped_requests, shipped_replays):
-    from vllm_dlite.eval.offline import SpeculativeSimulator, TargetFeatureExtractor
-    from vllm_dlite.model import load_drafter
+    from vllm_dlite.eval.offline import build_simulator
 
-    drafter = load_drafter(str(DRAFTER_DIR), dtype=torch.float32)
-    extractor = TargetFeatureExtractor.from_pretrained(str(TARGET_DIR), drafter.config.target_layer_ids,
-                                                       dtype=torch.float32)
-    drafter.bind_target(extractor.embed_weight, extractor.lm_head_weight)
-    sim = SpeculativeSimulator(extractor, drafter, K)
+    # the drafter (dlite_v1) reads the vLLM aux ids config.aux_layer_ids and x_{a-G+1..a}
+    sim = build_simulator(str(TARGET_DIR), str(DRAFTER_DIR), K, dtype=torch.float32)
     rounds = accepted = 0
     for req, base in zip(shipped_requests, shipped_replays["none"]["outputs"]):
         res = sim.generate(req.prompt_token_ids, MAX_TOKENS, req.session_id, req.kind)

@@ -9,8 +9,11 @@ available before (and independently of) the serving integration. For every repla
 
 1. prefill the prompt; the target's argmax is the first new token ``y_1`` (the first anchor), the
    last prompt row gives its features;
-2. each ROUND, with anchor ``x_t``: draft K tokens from (features at ``t-1``, ``x_t``); verify
-   ``[x_t, d_1..d_K]`` in ONE cached target forward; accept the longest prefix with
+2. each ROUND, with anchor ``x_a`` at position ``a``: draft K tokens with
+   ``DLiteDrafter.draft(features at a-1, group_ids = x_{a-g+1..a})`` (``g = min(G, a+1)``: the
+   anchor alone for G = 1, ``x_{a-1}, x_a`` for G = 2; features = the vLLM aux ids
+   ``config.aux_layer_ids``, pre-norm, exactly what vLLM hands the proposer); verify
+   ``[x_a, d_1..d_K]`` in ONE cached target forward; accept the longest prefix with
    ``d_i == argmax`` of the target, then append the target's own token (bonus / correction);
    crop the cache to the accepted prefix; the next anchor's features are the verify forward's row
    that predicted it;
@@ -79,22 +82,24 @@ def _argmax_tokens(extractor: TargetFeatureExtractor, final_hidden: torch.Tensor
 class SpeculativeSimulator:
     """Greedy DLite speculative decoding of one request at a time on an HF target.
 
-    ``drafter`` needs ``config.target_layer_ids``, ``config.block_size`` and
-    ``draft(features [1, L, H], anchor_ids [1]) -> (token_ids [1, K], ...)``; the extractor must
-    have been built with the drafter's layer ids. ``k <= block_size`` drafts per round.
+    ``drafter`` is a :class:`~vllm_dlite.model.DLiteDrafter` (``config.aux_layer_ids``,
+    ``config.num_draft_tokens``, ``config.anchor_group_size``, ``draft(features [1, L, H],
+    group_ids [1, g], num_steps=k)``) bound to the target; the extractor must have been built
+    with the drafter's aux layer ids. ``k <= K = B-1`` drafts per round.
     """
 
     def __init__(self, extractor: TargetFeatureExtractor, drafter: Any, k: Optional[int] = None,
                  eos_ids: Optional[Iterable[int]] = None):
-        block = int(drafter.config.block_size)
-        self.k = block if k is None else int(k)
-        if not 1 <= self.k <= block:
-            raise ValueError(f"k must be in 1..{block} (the drafter's block size), got {k}")
-        if list(extractor.layer_ids) != list(drafter.config.target_layer_ids):
+        K = int(drafter.config.num_draft_tokens)
+        self.k = K if k is None else int(k)
+        if not 1 <= self.k <= K:
+            raise ValueError(f"k must be in 1..{K} (the drafter's B-1), got {k}")
+        if list(extractor.layer_ids) != list(drafter.config.aux_layer_ids):
             raise ValueError(
-                f"extractor layer ids {extractor.layer_ids} != drafter's "
-                f"{drafter.config.target_layer_ids}"
+                f"extractor layer ids {extractor.layer_ids} != the drafter's vLLM aux ids "
+                f"{drafter.config.aux_layer_ids}"
             )
+        self.group_size = int(drafter.config.anchor_group_size)
         self.extractor = extractor
         self.drafter = drafter
         self.eos_ids = set(eos_ids) if eos_ids is not None else eos_token_ids(extractor.model)
@@ -113,11 +118,16 @@ class SpeculativeSimulator:
         features = out.features[:, -1]  # [1, L, H]: row of the last prompt token
         result.target_s += time.perf_counter() - t0
         output = [first]
+        prompt = list(prompt_ids)
         while output[-1] not in self.eos_ids and len(output) < max_new_tokens:
             anchor = output[-1]
             t0 = time.perf_counter()
-            drafted = self.drafter.draft(features, torch.tensor([anchor], device=device))
-            draft_ids = drafted[0][0, : self.k].tolist()
+            a = len(prompt) + len(output) - 1  # the anchor's position
+            g = min(self.group_size, a + 1)
+            group = (prompt + output)[a - g + 1 : a + 1]
+            drafted = self.drafter.draft(features, torch.tensor([group], device=device),
+                                         num_steps=self.k)
+            draft_ids = drafted.token_ids[0, : self.k].tolist()
             result.draft_s += time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -159,6 +169,24 @@ def greedy_generate(extractor: TargetFeatureExtractor, prompt_ids: Sequence[int]
         if token in eos or len(output) >= max_new_tokens:
             return output
         out = extractor(torch.tensor([[token]], device=device), past_key_values=out.past_key_values)
+
+
+def build_simulator(target: Union[str, Path], drafter: Union[str, Path, Any], k: Optional[int] = None,
+                    *, device: str = "cpu", dtype: Union[str, torch.dtype, None] = None,
+                    eos_ids: Optional[Iterable[int]] = None) -> SpeculativeSimulator:
+    """Target (HF, serving the drafter's vLLM aux ids) + drafter (a checkpoint directory, loaded
+    in the target's dtype, or a DLiteDrafter) bound to the target's embedding and final norm."""
+    from vllm_dlite.model import load_drafter
+
+    target_dtype = torch_dtype(dtype)
+    model = load_drafter(drafter, device=device, dtype=target_dtype or torch.float32) \
+        if isinstance(drafter, (str, Path)) else drafter
+    extractor = TargetFeatureExtractor.from_pretrained(
+        target, model.config.aux_layer_ids, dtype=target_dtype, device=device
+    )
+    norm_weight, eps = extractor.final_norm
+    model.bind_target(extractor.embed_weight.to(model.dtype), norm_weight.to(model.dtype), eps)
+    return SpeculativeSimulator(extractor, model, k, eos_ids)
 
 
 def summarize(results: Sequence[RequestResult], k: int) -> dict[str, Any]:
@@ -238,21 +266,9 @@ def evaluate(
     """Run the simulator over the requests; return the JSON-able report."""
     from transformers import AutoTokenizer
 
-    from vllm_dlite.model import load_drafter
-
     t_start = time.time()
-    target_dtype = torch_dtype(dtype)
-    model = load_drafter(drafter, device=device, dtype=target_dtype or torch.float32) \
-        if isinstance(drafter, (str, Path)) else drafter
-    extractor = TargetFeatureExtractor.from_pretrained(
-        target, model.config.target_layer_ids, dtype=target_dtype, device=device
-    )
-    if model.embed_tokens is None or model.lm_head is None:
-        model.bind_target(
-            None if model.embed_tokens is not None else extractor.embed_weight.to(model.dtype),
-            None if model.lm_head is not None else extractor.lm_head_weight.to(model.dtype),
-        )
-    sim = SpeculativeSimulator(extractor, model, k)
+    sim = build_simulator(target, drafter, k, device=device, dtype=dtype)
+    extractor = sim.extractor
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     requests = load_requests(tokenizer, workloads, kinds, split, seed, max_prompt_tokens,
                              max_requests_per_kind)
