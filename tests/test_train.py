@@ -622,3 +622,41 @@ def test_wait_for_file_survives_the_file_vanishing(tmp_path, monkeypatch):
     monkeypatch.setattr(pathlib.Path, "stat", stat)
     wait_for_file(ready, newer_than=1000.0, poll_s=0.0)
     assert len(looks) == 3
+
+
+@pytest.mark.slow
+def test_training_features_equal_what_vllm_serves(tmp_path):
+    """The trainer's features (TargetFeatureExtractor, vLLM aux ids config.aux_layer_ids) are the
+    rows vLLM hands the DLite proposer: for every drafting call recorded inside vLLM, the row at
+    a-1 of the training extractor on the same tokens (found by the anchor group) matches."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import helpers_vllm as H
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from vllm_dlite.model import load_drafter
+
+    models = H.tiny_models(tmp_path)
+    aux = load_drafter(models.drafter).config.aux_layer_ids
+    prompts = H.make_prompts(4)
+    run = H.run_llm(models.target, prompts, SamplingParams(temperature=0.0, max_tokens=8,
+                                                           ignore_eos=True),
+                    {"method": "dlite", "model": str(models.drafter)}, max_num_seqs=4, record=True)
+    assert run.records
+    extractor = TargetFeatureExtractor.from_pretrained(models.target, aux)
+    tok = AutoTokenizer.from_pretrained(str(models.target))
+    seqs = []
+    for p, out in zip(prompts, run.token_ids, strict=True):
+        ids = tok(p)["input_ids"] + out
+        seqs.append((ids, extractor(torch.tensor(ids)).features[0]))
+    matched = 0
+    for rec in run.records:
+        n = rec["group_ids"].shape[0]
+        feats = rec["features"].view(n, len(aux), -1)
+        for b in range(n):
+            anchor = rec["group_ids"][b, -1].item()
+            errs = [(hf[t - 1] - feats[b]).abs().max().item()
+                    for ids, hf in seqs for t in range(1, len(ids)) if ids[t] == anchor]
+            assert errs and min(errs) < 1e-3 * max(1.0, feats[b].abs().max().item()), anchor
+            matched += 1
+    assert matched >= len(prompts)
