@@ -368,7 +368,9 @@ def test_one_command_tiny_run_writes_a_loadable_dlite_v1_checkpoint(target_dir, 
     assert report["stages"]["stable"]["steps"] == 1
     assert report["stages"]["stable"]["stopped_by_time_budget_s"] == 0.0
     assert report["features"]["aux_layer_ids"] == [1, 2, N_LAYERS]  # drafter + history (0,1,2)
-    assert (out / "README.md").is_file()
+    card = (out / "README.md").read_text()
+    assert "dlite_v1" in card and "| stable | 1 | 1 (stopped by the 0 s budget" in card
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 5
 
 
 def test_stage1_student_gets_the_teachers_head_frozen(target_dir, sequences_file, tmp_path):
