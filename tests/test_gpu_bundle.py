@@ -318,10 +318,12 @@ def test_real_rules_on_known_wheel_names():
     assert rules.decide("vllm/third_party/fmha_sm100/cutlass/include/cute/arch/mma_sm90.hpp")
 
 
-def test_plan_chunks_uses_the_fewest_parts():
+def test_plan_chunks_uses_the_fewest_parts_filled_evenly():
     plan = bb.plan_chunks([10, 25, 3], 12)
     assert len(plan) == 4  # ceil(38 / 12)
-    assert [sum(n for _, _, n in p) for p in plan] == [12, 12, 12, 2]
+    assert [sum(n for _, _, n in p) for p in plan] == [10, 10, 10, 8]
+    assert plan[0] == [(0, 0, 10)] and plan[1] == [(1, 0, 10)] and plan[3] == [(1, 20, 5), (2, 0, 3)]
+    assert [sum(n for _, _, n in p) for p in bb.plan_chunks([24], 12)] == [12, 12]
     assert bb.plan_chunks([], 5) == []
 
 
@@ -354,3 +356,20 @@ def test_gpu_check_stage_d_code_runs_on_cpu_at_tiny_shapes():
         assert all(r[f"{n}_ms"] > 0 for n in ("decode", "verify", "dlite", "eagle3", "dflash"))
         assert r["kv_buffers"] == 4 and r["dlite_over_verify"] > 0
     assert "4 Qwen3 layers" in rec["what"]
+
+
+@pytest.mark.slow
+def test_gpu_check_stage_b_on_cpu(tmp_path):
+    """Stage b's code end to end on the CPU (V1 runner, eager only, fp32, 4 prompts): engines with and
+    without DLite, the runner/speculator probe, the checks, results.json/md."""
+    pytest.importorskip("vllm")
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_check.py"), "--out", str(tmp_path), "--cpu-smoke",
+                        "--stages", "b", "--num-prompts", "4", "--b-batch", "4", "--b-max-tokens", "12"],
+                       capture_output=True, text=True, timeout=900, cwd=REPO)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert r.returncode == 0, (res["lossless"].get("checks"), res["lossless"].get("error"), r.stdout[-2000:])
+    b = res["lossless"]
+    assert res["model_runner"] == "v1" and res["lossless_greedy"] is True and "DLite" in res["speculator"]
+    assert {c["name"] for c in b["checks"]} >= {"eager: greedy identical to no speculation",
+                                                "eager: no draft KV (pool == no speculation)"}
+    assert "b_lossless" in (tmp_path / "results.md").read_text()

@@ -372,10 +372,15 @@ def file_list(entries: list[Entry], blobs: list[Blob], excluded: dict, pruned: d
 
 
 def plan_chunks(blob_sizes: list[int], capacity: int) -> list[list[tuple[int, int, int]]]:
-    """Cut the blobs, in order, into parts of at most ``capacity`` bytes each.
-    Returns per part a list of ``(blob index, offset, size)``; the fewest parts possible."""
+    """Cut the blobs, in order, into parts of at most ``capacity`` bytes each: the fewest parts
+    possible, filled evenly (so every run keeps the same room to spare). Returns per part a list of
+    ``(blob index, offset, size)``."""
     if capacity <= 0:
         raise ValueError(f"no room for bundle data in a part (capacity {capacity} bytes): raise the budget")
+    total = sum(blob_sizes)
+    if total:
+        n = -(-total // capacity)
+        capacity = -(-total // n)
     parts: list[list[tuple[int, int, int]]] = [[]]
     room = capacity
     for i, size in enumerate(blob_sizes):
