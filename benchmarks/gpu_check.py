@@ -17,11 +17,13 @@ b_lossless  The shipped tiny target ``models/qwen3-tiny-stdlib`` + DLite ``model
             ``vllm_dlite.eval.offline.load_requests``) at max batch 16, eager AND with CUDA graphs; no
             draft KV (pool == no speculation); probabilistic drafts (``draft_sample_method=probabilistic``)
             in a mixed greedy/sampled batch (greedy rows identical, sampled rows complete); the
-            speculator class printed. If the shipped drafter cannot be loaded (e.g. it is being
-            retrained in another format) the same checks run on random tiny models with a "copy"
-            drafter (tests/helpers_vllm.py) and the reason is recorded.
-c_speed     Speed on the GPU, bf16, K=7, CUDA graphs, held-out agentic and code turns: none / ngram /
-            EAGLE-3 / DFlash / DLite (the shipped tiny drafters) at batch 1, 8, 32 (one engine per
+            speculator class printed ("CUDA graphs": full graphs of the uniform decode/verify steps,
+            without torch.compile, unless ``--b-compile vllm``). If the shipped drafter cannot be
+            loaded (e.g. it is being retrained in another format) the same checks run on random tiny
+            models with a "copy" drafter (tests/helpers_vllm.py) and the reason is recorded.
+c_speed     Speed on the GPU, bf16, K=7, CUDA graphs (as in b; ``--c-compile``), held-out agentic and
+            code turns: none / ngram / EAGLE-3 / DFlash / DLite (the shipped tiny drafters) at batch
+            1, 8, 32 (one engine per
             method, max_num_seqs 32, batch b = b requests submitted at once): output tok/s, mean ITL,
             tau, draft round ms (GPU time between CUDA events around the speculator's ``propose`` on
             V2; ``DraftTimer`` on V1), share of outputs identical to none.
@@ -168,14 +170,27 @@ class EventDraftTimer:
         return out
 
 
+# "vllm": vLLM's default (torch.compile + FULL_AND_PIECEWISE graphs); "none": no torch.compile, full
+# CUDA graphs of uniform decode/verify steps only (starts in seconds instead of a compile per engine)
+COMPILE_MODES = {"vllm": None, "none": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+
+
+def gpu_engine_kwargs(on_gpu: bool, enforce_eager: bool, compile_mode: str = "vllm") -> dict:
+    if not on_gpu:
+        return {}
+    kw: dict = dict(gpu_memory_utilization=0.15)
+    if not enforce_eager and COMPILE_MODES[compile_mode] is not None:
+        kw["compilation_config"] = dict(COMPILE_MODES[compile_mode])
+    return kw
+
+
 def engine_run(target, prompts: list[list[int]], params, spec: Optional[dict], *, dtype: str,
-               max_model_len: int, max_num_seqs: int, enforce_eager: bool, on_gpu: bool) -> dict:
+               max_model_len: int, max_num_seqs: int, enforce_eager: bool, on_gpu: bool,
+               compile_mode: str = "vllm") -> dict:
     """One fresh in-process engine, one generate over ``prompts``; outputs, counters, runner info."""
     from vllm_dlite.vllm.replay_engine import build_llm, kv_pool_tokens, shutdown, spec_decode_counters
 
-    extra = dict(enforce_eager=enforce_eager)
-    if on_gpu:
-        extra["gpu_memory_utilization"] = 0.15
+    extra = dict(enforce_eager=enforce_eager, **gpu_engine_kwargs(on_gpu, enforce_eager, compile_mode))
     t0 = time.perf_counter()
     llm = build_llm(target, spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **extra)
     startup = time.perf_counter() - t0
@@ -317,6 +332,7 @@ def stage_b(args, rec: dict, save: Callable[[], None]) -> bool:
                              prompts=f"{n} short prompts", k=k,
                              why=f"shipped drafter {DRAFTERS['dlite'].relative_to(REPO)} unusable: {problem}")
     rec["num_prompts"] = len(prompts)
+    rec["graphs_compile"] = f"{args.b_compile}: {COMPILE_MODES[args.b_compile] or 'vLLM default'}"
     rec["prompt_tokens"] = dict(min=min(map(len, prompts)), max=max(map(len, prompts)))
     spec = speculative_config("dlite", k, drafter)
     max_len = max(map(len, prompts)) + args.b_max_tokens + 16
@@ -331,7 +347,8 @@ def stage_b(args, rec: dict, save: Callable[[], None]) -> bool:
 
     def run(name, sp, eager, params=greedy):
         nonlocal dtype
-        kw = dict(dtype=dtype, max_model_len=max_len, max_num_seqs=args.b_batch, enforce_eager=eager, on_gpu=on_gpu)
+        kw = dict(dtype=dtype, max_model_len=max_len, max_num_seqs=args.b_batch, enforce_eager=eager, on_gpu=on_gpu,
+                  compile_mode=args.b_compile)
         note = None
         try:
             r = engine_run(target, prompts, params, sp, **kw)
@@ -413,7 +430,7 @@ def measure_method(method: str, prompts: dict, args, on_gpu: bool) -> dict:
     max_len = max(len(p) for v in prompts.values() for p in v) + args.c_max_tokens + 16
     t0 = time.perf_counter()
     llm = build_llm(TARGET, spec, dtype=args.c_dtype, max_model_len=max_len, max_num_seqs=max(batches),
-                    enforce_eager=not on_gpu, **(dict(gpu_memory_utilization=0.15) if on_gpu else {}))
+                    enforce_eager=not on_gpu, **gpu_engine_kwargs(on_gpu, not on_gpu, args.c_compile))
     rows, outputs = [], {}
     try:
         info = runner_info(llm)
@@ -483,6 +500,7 @@ def stage_c(args, rec: dict, save: Callable[[], None]) -> bool:
         raise ValueError(f"too few held-out turns with prompts <= {args.c_max_prompt_tokens} tokens: {short} "
                          f"(need {max(need.values())}); raise --c-max-prompt-tokens")
     rec["settings"] = dict(k=args.k, dtype=args.c_dtype, max_tokens=args.c_max_tokens, batches=batches,
+                           compile=f"{args.c_compile}: {COMPILE_MODES[args.c_compile] or 'vLLM default'}",
                            requests_per_batch=need, eager=not on_gpu, methods=methods,
                            prompts={k: len(v) for k, v in prompts.items()},
                            prompt_tokens={k: [min(map(len, v)), max(map(len, v))] for k, v in prompts.items()})
@@ -890,6 +908,12 @@ def parse_args(argv=None):
     ap.add_argument("--b-max-tokens", type=int, default=48)
     ap.add_argument("--b-max-prompt-tokens", type=int, default=6144)
     ap.add_argument("--b-dtype", default="float32")
+    ap.add_argument("--b-compile", choices=sorted(COMPILE_MODES), default="none",
+                    help="CUDA-graph runs of stage b: 'none' = full graphs of decode/verify steps without "
+                         "torch.compile (fits the time), 'vllm' = vLLM's default torch.compile + graphs")
+    ap.add_argument("--c-compile", choices=sorted(COMPILE_MODES), default="none",
+                    help="stage c engines: 'none' = full CUDA graphs of decode/verify steps without torch.compile "
+                         "(seconds to start; 5 engines fit the time), 'vllm' = vLLM's default")
     ap.add_argument("--c-methods", default="none,dlite,ngram,eagle3,dflash",
                     help="in this order (DLite right after none: the most wanted if time runs out)")
     ap.add_argument("--c-batches", default="1,8,32")
