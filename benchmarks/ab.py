@@ -21,12 +21,24 @@ Contract:
   rounds (after a verification) of the concurrency-1 run are grouped by the request's context
   length (nearest of 1k / 4k / 16k tokens on a log scale) and the medians are reported (rounds
   after a prefill chunk separately: there vLLM concatenates the whole chunk's aux hidden states);
+* tau against prompt length (``tau_by_prompt_tokens``, from the lowest concurrency's run): the
+  requests are grouped by prompt length into EXACTLY the buckets ``"0-2k"`` [0, 2048),
+  ``"2k-8k"`` [2048, 8192) and ``"8k-32k"`` [8192, 32768) tokens; per bucket the request, draft,
+  draft-token and accepted counts, ``tau`` = 1 + accepted / drafts and ``tau_per_position``, all
+  from vLLM's per-request acceptance histograms (``RequestOutput.outputs[0].spec_decode_metrics``:
+  ``hist[j]`` = verify steps with j accepted draft tokens; drafts = sum(hist), accepted =
+  sum(j * hist[j]), position i accepted in sum_{j>i} hist[j] drafts); ``per_request_tau`` keeps
+  ``[prompt_tokens, drafts, accepted]`` per request for the scatter plot;
+* ``--max-prompt-tokens`` may go up to the target's context: max model len = max prompt tokens +
+  max tokens + K + 8 must be <= the target's ``max_position_embeddings`` (on the tiny target,
+  32,768: ``--max-prompt-tokens 30000`` gives 30,079), else the run stops before any engine starts;
 * at temperature 0 every method's outputs must equal ``none``'s (``identical_to_none``);
 * a method that cannot run here (no drafter checkpoint, missing package) is reported with the
   reason in ``results.json`` and the table, never silently dropped.
 
 Writes ``OUT/results.json``, ``OUT/results.md`` and, with matplotlib, ``OUT/tau_per_position.png``,
-``OUT/tokens_per_s_vs_concurrency.png``, ``OUT/draft_ms_vs_context.png``.
+``OUT/tokens_per_s_vs_concurrency.png``, ``OUT/draft_ms_vs_context.png``,
+``OUT/tau_by_prompt_tokens.png``.
 """
 
 from __future__ import annotations
@@ -48,6 +60,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # small CPU matmuls: spinning thr
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 CONTEXT_BUCKETS = (1024, 4096, 16384)
+# tau against prompt length: (name, first token count, one past the last), k = 1024
+PROMPT_BUCKETS = (("0-2k", 0, 2048), ("2k-8k", 2048, 8192), ("8k-32k", 8192, 32768))
+MODEL_LEN_MARGIN = 8  # max model len = max prompt tokens + max tokens + K + this
 
 
 def default_drafter(method: str) -> Path:
@@ -56,6 +71,48 @@ def default_drafter(method: str) -> Path:
 
 def context_bucket(tokens: int) -> int:
     return min(CONTEXT_BUCKETS, key=lambda b: abs(math.log(max(tokens, 1) / b)))
+
+
+def prompt_bucket(tokens: int) -> str | None:
+    """The ``PROMPT_BUCKETS`` name holding a prompt of ``tokens`` tokens (None: longer than 32k)."""
+    return next((name for name, lo, hi in PROMPT_BUCKETS if lo <= tokens < hi), None)
+
+
+def tau_by_prompt_tokens(records: list[dict]) -> dict:
+    """Acceptance per prompt-length bucket from per-request records ``{"prompt_tokens", "histogram",
+    "draft_tokens"}`` (``replay_engine.request_spec_record``; ``histogram[j]`` = verify steps with
+    exactly j accepted draft tokens, empty without speculation). Every bucket is present; one
+    without drafts has ``tau`` None and no per-position figures."""
+    out = {}
+    for name, lo, hi in PROMPT_BUCKETS:
+        recs = [r for r in records if lo <= r["prompt_tokens"] < hi]
+        hists = [r["histogram"] for r in recs if r["histogram"]]
+        drafts = sum(sum(h) for h in hists)
+        accepted = sum(j * c for h in hists for j, c in enumerate(h))
+        width = max((len(h) for h in hists), default=1) - 1  # K (the histogram runs 0..K)
+        out[name] = {
+            "requests": len(recs), "drafts": drafts, "draft_tokens": sum(r["draft_tokens"] for r in recs),
+            "accepted": accepted, "tau": 1 + accepted / drafts if drafts else None,
+            "tau_per_position": [sum(c for h in hists for c in h[i + 1:]) / drafts for i in range(width)]
+            if drafts else [],
+            "prompt_tokens_mean": sum(r["prompt_tokens"] for r in recs) / len(recs) if recs else None,
+        }
+    return out
+
+
+def per_request_tau(records: list[dict]) -> list[list[int]]:
+    """``[prompt_tokens, drafts, accepted]`` per request (the scatter in ``tau_by_prompt_tokens.png``)."""
+    return [[r["prompt_tokens"], sum(r["histogram"]), sum(j * c for j, c in enumerate(r["histogram"]))]
+            for r in records]
+
+
+def target_context(target: str) -> int | None:
+    """The target's ``max_position_embeddings`` (None when its config has none)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(target)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return getattr(cfg, "max_position_embeddings", None)
 
 
 def run_method(args, method: str, prompts: list[list[int]], drafter: str | None) -> dict:
@@ -67,7 +124,7 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
         spec = speculative_config(method, args.k, drafter)
     except MethodUnavailable as exc:
         return {"status": "unavailable", "reason": str(exc)}
-    per_concurrency, draft_rounds = {}, []
+    per_concurrency, draft_rounds, request_spec = {}, [], []
     for c in args.concurrency:
         opts = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, max_num_seqs=c,
                     temperature=args.temperature, max_tokens=args.max_tokens,
@@ -81,6 +138,7 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
         per_concurrency[c] = res
         if c == min(args.concurrency):  # DraftRound tuples: seconds, drafter_seconds, n, context, verifying
             draft_rounds = [d for d in res["draft_rounds"] if d[2] == 1] or list(res["draft_rounds"])
+            request_spec = res.get("request_spec") or []
         r = res["summary"]
         print(f"[{method}] concurrency {c}: tau {r['tau'] if r['tau'] is None else round(r['tau'], 3)}, "
               f"{r['output_tokens_per_s']:.1f} tok/s, ITL {r['mean_itl_ms']:.1f} ms, {r['wall_s']:.0f} s",
@@ -105,6 +163,8 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
                                                                      "wall_s", "output_tokens")}
                            for c, res in per_concurrency.items()},
         "draft_ms_by_context": draft_ms,
+        "tau_by_prompt_tokens": tau_by_prompt_tokens(request_spec),
+        "per_request_tau": per_request_tau(request_spec),
         "_outputs": {c: res["outputs"] for c, res in per_concurrency.items()},
     }
 
@@ -157,6 +217,19 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
                      for key in ("median_ms", "drafter_median_ms"))
         lines.append(f"| {m} | {tau} | {pos} | {tps} | {r['mean_itl_ms']:.1f} | {r['kv_pool_tokens']:,} | "
                      f"{dm} | {alone} | {r.get('identical_to_none', '-')} |")
+    lines += ["", "Tau by prompt length (lowest concurrency; vLLM's per-request acceptance histograms):", "",
+              "| method | prompt tokens | requests | drafts | tau | per-position acceptance |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for m, r in results.items():
+        buckets = r.get("tau_by_prompt_tokens") if r["status"] == "ok" else None
+        if not buckets:  # failed, unavailable, or merged from a run made before this table existed
+            lines.append(f"| {m} | - | - | - | - | {r['status'] if r['status'] != 'ok' else 'not recorded'} |")
+            continue
+        for name, _, _ in PROMPT_BUCKETS:
+            b = buckets[name]
+            tau = "-" if b["tau"] is None else f"{b['tau']:.2f}"
+            pos = " ".join(f"{p:.2f}" for p in b["tau_per_position"]) or "-"
+            lines.append(f"| {m} | {name} | {b['requests']} | {b['drafts']:,} | {tau} | {pos} |")
     lines += ["", f"Command: `{settings['command']}`", ""]
     for earlier in settings.get("earlier_commands", []):
         lines += [f"Merged from an earlier run with the same settings: `{earlier}`", ""]
@@ -178,7 +251,8 @@ def write_plots(out: Path, results: dict, concurrency: list[int]) -> list[str]:
         if r["tau_per_position"]:
             ax.plot(range(1, len(r["tau_per_position"]) + 1), r["tau_per_position"], marker="o", label=m)
     ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance per position", ylim=(0, 1))
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.savefig(out / "tau_per_position.png", dpi=120, bbox_inches="tight")
     made.append("tau_per_position.png")
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -196,9 +270,29 @@ def write_plots(out: Path, results: dict, concurrency: list[int]) -> list[str]:
             ax.plot(*zip(*sorted(pts)), marker="o", label=m)
     ax.set(xlabel="context length (tokens)", ylabel="draft round (ms, median)", xscale="log",
            title="Draft cost against context length")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.savefig(out / "draft_ms_vs_context.png", dpi=120, bbox_inches="tight")
     made.append("draft_ms_vs_context.png")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (m, r) in enumerate(ok.items()):
+        buckets = r.get("tau_by_prompt_tokens") or {}
+        color = f"C{i}"
+        pts = [(p, 1 + a / d) for p, d, a in r.get("per_request_tau", []) if d]
+        if pts:
+            ax.scatter(*zip(*pts), s=8, alpha=0.25, color=color)
+        centers = [(b["prompt_tokens_mean"], b["tau"]) for b in buckets.values() if b["tau"] is not None]
+        if centers:
+            ax.plot(*zip(*centers), marker="o", markersize=7, color=color, label=m)
+    for _, lo, _ in PROMPT_BUCKETS[1:]:
+        ax.axvline(lo, color="grey", lw=0.5, ls="--")
+    ax.set(xlabel="prompt tokens", ylabel="tau (tokens per verification)", xscale="log",
+           title="Tau against prompt length (large points: bucket 0-2k / 2k-8k / 8k-32k; dots: requests)")
+    ax.title.set_fontsize(9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.savefig(out / "tau_by_prompt_tokens.png", dpi=120, bbox_inches="tight")
+    made.append("tau_by_prompt_tokens.png")
     plt.close("all")
     return made
 
@@ -217,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated max_num_seqs levels")
-    ap.add_argument("--max-prompt-tokens", type=int, default=16384, help="skip longer prompts")
+    ap.add_argument("--max-prompt-tokens", type=int, default=16384,
+                    help="skip longer prompts; up to the target's context minus --max-tokens, K and 8 "
+                         "(30000 on the tiny target, whose max_position_embeddings is 32768)")
     ap.add_argument("--max-requests", type=int, default=0, help="keep N requests spread evenly (0: all)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the methods already in OUT/results.json that are not in --methods, when they "
@@ -234,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--concurrency: expected comma-separated integers like 1,4,16, got {args.concurrency!r}")
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error("--concurrency: every level must be >= 1")
-    args.max_model_len = args.max_prompt_tokens + args.max_tokens + args.k + 8
+    args.max_model_len = args.max_prompt_tokens + args.max_tokens + args.k + MODEL_LEN_MARGIN
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -243,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tensor-parallel-size must be >= 1")
     if not Path(args.workload).is_file():
         ap.error(f"--workload: {args.workload} does not exist (a sessions JSONL, docs/design.md §6)")
+    if args.max_prompt_tokens < 1:
+        ap.error("--max-prompt-tokens must be >= 1")
+    context = target_context(args.target)
+    if context is not None and args.max_model_len > context:
+        ap.error(f"--max-prompt-tokens {args.max_prompt_tokens}: the engine would need max model len "
+                 f"{args.max_model_len} (prompt + --max-tokens {args.max_tokens} + K {args.k} + "
+                 f"{MODEL_LEN_MARGIN}), more than the target's context (max_position_embeddings {context}); "
+                 f"use --max-prompt-tokens {context - args.max_tokens - args.k - MODEL_LEN_MARGIN} or less")
 
     import torch
     from transformers import AutoTokenizer

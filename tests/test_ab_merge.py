@@ -37,3 +37,70 @@ def test_merge_refuses_other_settings(tmp_path):
 
 def test_merge_into_an_empty_directory_runs_everything(tmp_path):
     assert ab.previous_results(tmp_path, dict(SETTINGS), ["none"]) == ({}, {}, {})
+
+
+# ----------------------------------------------------------------------------- tau by prompt length
+def _rec(prompt_tokens: int, hist: list[int], draft_tokens: int | None = None) -> dict:
+    return {"prompt_tokens": prompt_tokens, "histogram": hist,
+            "draft_tokens": 3 * sum(hist) if draft_tokens is None else draft_tokens}
+
+
+def test_tau_by_prompt_tokens_from_histograms():
+    # K = 3: hist[j] = verify steps with exactly j accepted draft tokens
+    records = [
+        _rec(100, [1, 1, 0, 2]),      # 4 drafts, accepted 0+1+0+6 = 7
+        _rec(2047, [0, 0, 2, 0]),     # 2 drafts, accepted 4; 2047 is still 0-2k
+        _rec(2048, [3, 0, 0, 1]),     # 2k-8k: 4 drafts, accepted 3
+        _rec(9000, [], 0),            # 8k-32k: a request without drafts (none, or nothing proposed)
+    ]
+    b = ab.tau_by_prompt_tokens(records)
+    assert list(b) == ["0-2k", "2k-8k", "8k-32k"]  # exactly these buckets, in order
+    low = b["0-2k"]
+    assert (low["requests"], low["drafts"], low["accepted"], low["draft_tokens"]) == (2, 6, 11, 18)
+    assert low["tau"] == pytest.approx(1 + 11 / 6)
+    # position i accepted in sum_{j>i} hist[j] drafts: pos0 = (1+0+2)+(0+2+0) = 5, pos1 = 2+2 = 4, pos2 = 2
+    assert low["tau_per_position"] == pytest.approx([5 / 6, 4 / 6, 2 / 6])
+    assert sum(low["tau_per_position"]) == pytest.approx(low["tau"] - 1)  # tau - 1 = sum of position rates
+    assert low["prompt_tokens_mean"] == pytest.approx((100 + 2047) / 2)
+    mid = b["2k-8k"]
+    assert (mid["requests"], mid["drafts"], mid["accepted"]) == (1, 4, 3)
+    assert mid["tau_per_position"] == pytest.approx([0.25, 0.25, 0.25])
+    high = b["8k-32k"]
+    assert (high["requests"], high["drafts"], high["tau"], high["tau_per_position"]) == (1, 0, None, [])
+
+
+def test_tau_by_prompt_tokens_empty_buckets_and_scatter_points():
+    b = ab.tau_by_prompt_tokens([])
+    assert all(v["requests"] == 0 and v["tau"] is None and v["prompt_tokens_mean"] is None for v in b.values())
+    assert ab.per_request_tau([_rec(100, [1, 1, 0, 2]), _rec(50, [])]) == [[100, 4, 7], [50, 0, 0]]
+    assert [ab.prompt_bucket(n) for n in (0, 2047, 2048, 8191, 8192, 30000, 32768)] == \
+        ["0-2k", "0-2k", "2k-8k", "2k-8k", "8k-32k", "8k-32k", None]
+
+
+def test_max_prompt_tokens_over_the_target_context_fails_before_any_engine(tmp_path, capsys):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("")
+    with pytest.raises(SystemExit):
+        ab.main(["--workload", str(wl), "--out", str(tmp_path / "o"), "--methods", "none",
+                 "--max-prompt-tokens", "40000"])
+    err = capsys.readouterr().err
+    assert "max_position_embeddings 32768" in err and "--max-prompt-tokens 32689 or less" in err
+
+
+def test_markdown_has_the_bucket_table_and_tolerates_merged_methods_without_it(tmp_path):
+    records = [_rec(100, [1, 1, 0, 2]), _rec(3000, [0, 2, 0, 0])]
+    settings = dict(SETTINGS, workload="w.jsonl", target="t", k=3, temperature=0.0, max_tokens=8, dtype="float32",
+                    num_requests=2, prompt_tokens_min=100, prompt_tokens_max=3000, device="cpu")
+    ok = dict(status="ok", tau=2.0, tau_per_position=[0.5], by_concurrency={"1": {"output_tokens_per_s": 1.0}},
+              mean_itl_ms=1.0, kv_pool_tokens=10, draft_ms_by_context={})
+    results = {"none": dict(ok, tau=None, tau_per_position=[]),  # merged from a run without the table
+               "dlite": dict(ok, tau_by_prompt_tokens=ab.tau_by_prompt_tokens(records),
+                             per_request_tau=ab.per_request_tau(records))}
+    ab.write_markdown(tmp_path / "r.md", settings, results, [1])
+    md = (tmp_path / "r.md").read_text()
+    assert "| dlite | 0-2k | 1 | 4 | 2.75 | 0.75 0.50 0.50 |" in md
+    assert "| dlite | 8k-32k | 0 | 0 | - | - |" in md
+    assert "| none | - | - | - | - | not recorded |" in md
+    pytest.importorskip("matplotlib")
+    assert "tau_by_prompt_tokens.png" in ab.write_plots(tmp_path, results, [1])
+    assert (tmp_path / "tau_by_prompt_tokens.png").stat().st_size > 0

