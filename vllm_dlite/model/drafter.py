@@ -167,6 +167,7 @@ class DLiteDrafter(nn.Module):
         self._embed_weight: Optional[torch.Tensor] = None  # target's [V', H]
         self._final_norm_weight: Optional[torch.Tensor] = None  # target's [H]
         self._final_norm_eps = cfg.rms_norm_eps
+        self._rope_cache: dict = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -240,11 +241,16 @@ class DLiteDrafter(nn.Module):
 
     def rope(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[L+Q, D]`` (activation dtype): L context rows at ``max(g-2, 0)``, then the
-        Q = g+B-1 query rows at 0..Q-1."""
-        cfg = self.config
-        Q = g + cfg.num_draft_tokens
-        positions = torch.cat([torch.full((cfg.num_feature_layers,), max(g - 2, 0)), torch.arange(Q)])
-        return ops.rope_cos_sin(positions.to(self.device), cfg.head_dim, cfg.rope_theta, dtype=self.dtype)
+        Q = g+B-1 query rows at 0..Q-1. The same for every round: built once per (g, device,
+        dtype) on the device (no host copy, so a CUDA graph can capture a round)."""
+        key = (g, self.device, self.dtype)
+        if key not in self._rope_cache:
+            cfg = self.config
+            Q = g + cfg.num_draft_tokens
+            positions = torch.cat([torch.full((cfg.num_feature_layers,), max(g - 2, 0), device=self.device),
+                                   torch.arange(Q, device=self.device)])
+            self._rope_cache[key] = ops.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype=self.dtype)
+        return self._rope_cache[key]
 
     # ------------------------------------------------------------------ backbone + head
     def backbone(self, features: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
