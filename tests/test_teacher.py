@@ -138,3 +138,19 @@ def test_head_hand_over_to_the_student():
     student.load_state_dict(teacher.head_state_dict(), strict=False)
     for name, value in student.sequential_head.state_dict().items():
         assert torch.equal(value, teacher.sequential_head.state_dict()[name])
+
+
+def test_head_init_from_target_lm_head_is_its_rank_r_truncation():
+    """model.head_init = target_svd: the head's logits start as the target lm_head's rank-r
+    truncated SVD applied to d (the state columns keep their random init)."""
+    from vllm_dlite.train.trainer import init_head_from_target
+
+    teacher, _ = make_pair()
+    lm_head = torch.randn(V + 3, H, generator=torch.Generator().manual_seed(5))  # padded rows
+    init_head_from_target(teacher, lm_head)
+    head, r = teacher.sequential_head, teacher.config.sequential_rank
+    d = torch.randn(4, H)
+    o = head.state_hidden_mlp(torch.cat([torch.zeros(4, r), d], -1)) - head.state_hidden_mlp.bias
+    U, S, Vh = torch.linalg.svd(lm_head[:V], full_matrices=False)
+    expected = d @ ((U[:, :r] * S[:r]) @ Vh[:r]).T
+    assert torch.allclose(head.output_proj(o), expected, atol=1e-4)

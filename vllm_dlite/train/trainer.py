@@ -125,6 +125,11 @@ class ModelSection:
     mask_token_id: Optional[int] = None  # None: tokenizer's mask token / <|mask|> / padded id
     teacher_window: int = DEFAULT_WINDOW  # W: the teacher sees W-1 fused history slots
     teacher_history_layer_ids: Optional[list[int]] = None  # None: [0, N//2, N-1] (0-based)
+    # initialisation of the sequential head of a model trained from scratch (the teacher; the
+    # student when there is no teacher): "target_svd" = the rank-r truncated SVD of the target's
+    # lm_head split over output_proj and the d-columns of state_hidden_mlp (logits start as
+    # lm_head_r(d)); "random" = N(0, 0.02). The authors' initialisation is not published.
+    head_init: str = "target_svd"
     init_from: Optional[str] = None  # start the student from an existing dlite_v1 checkpoint
     dlite_overrides: dict[str, Any] = field(default_factory=dict)  # any other DLiteConfig field
 
@@ -239,8 +244,10 @@ class TrainConfig:
                 "epochs.kl > 0 needs a trained teacher (epochs.teacher > 0); set "
                 "epochs.kl: 0 or use --ablation stable_only"
             )
-        if self.model.anchor_group_size not in (1, 2) and self.model.anchor_group_size < 1:
+        if self.model.anchor_group_size < 1:
             raise ValueError("model.anchor_group_size must be >= 1")
+        if self.model.head_init not in ("target_svd", "random"):
+            raise ValueError("model.head_init must be 'target_svd' or 'random'")
         unknown = sorted(set(self.run.stage_time_budget_s) - set(STAGES))
         if unknown:
             raise ValueError(f"run.stage_time_budget_s has unknown stages {unknown}")
@@ -384,6 +391,24 @@ def resolve_mask_token_id(target_path: str, target_cfg: dict[str, Any]) -> int:
         f"{target_path}: no mask token found (no tokenizer mask_token, no <|mask|>, no padded "
         "vocabulary rows); set model.mask_token_id to a reserved token id"
     )
+
+
+@torch.no_grad()
+def init_head_from_target(model: nn.Module, lm_head_weight: torch.Tensor) -> None:
+    """Start the sequential head's readout at the target's lm_head, rank r: with
+    ``lm_head[:V] = U S V^T``, ``output_proj = U_r S_r^(1/2)`` and the d-columns of
+    ``state_hidden_mlp`` = ``S_r^(1/2) V_r^T``, so the logits start as ``U_r S_r V_r^T d``
+    (plus the small random state term). Shapes and tensor names are unchanged."""
+    head = model.sequential_head
+    V, r = head.output_proj.weight.shape
+    U, S, Vh = torch.linalg.svd(lm_head_weight[:V].float().cpu(), full_matrices=False)
+    k = min(r, S.shape[0])
+    root = S[:k].sqrt()
+    head.output_proj.weight.zero_()
+    head.output_proj.weight[:, :k].copy_((U[:, :k] * root).to(head.output_proj.weight))
+    w = head.state_hidden_mlp.weight  # [r, r + H]: columns [:r] read the state, [r:] read d
+    w[:, r:].zero_()
+    w[:k, r:].copy_((root[:, None] * Vh[:k]).to(w))
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
@@ -605,12 +630,16 @@ class Trainer:
             self.drafter = load_drafter(m.init_from, device=device, dtype=torch.float32).train()
         else:
             self.drafter = DLiteDrafter(dlite_cfg).to(device)
+            if m.head_init == "target_svd":
+                init_head_from_target(self.drafter, self.target_head.lm_head_weight)
         self.drafter.bind_target(embed.float(), norm_w.float(), eps)
         self.teacher = None
         if "teacher" in cfg.stages() or "kl" in cfg.stages():
             torch.manual_seed(cfg.run.seed + 1)
             self.teacher = SWATeacher(dlite_cfg, window=m.teacher_window,
                                       history_layer_ids=self.history_layer_ids).to(device)
+            if m.head_init == "target_svd":
+                init_head_from_target(self.teacher, self.target_head.lm_head_weight)
             self.teacher.bind_target(embed.float(), norm_w.float(), eps)
         self.report["model"] = dict(
             format="dlite_v1",
