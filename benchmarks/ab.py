@@ -28,7 +28,8 @@ Contract:
   from vLLM's per-request acceptance histograms (``RequestOutput.outputs[0].spec_decode_metrics``:
   ``hist[j]`` = verify steps with j accepted draft tokens; drafts = sum(hist), accepted =
   sum(j * hist[j]), position i accepted in sum_{j>i} hist[j] drafts); ``per_request_tau`` keeps
-  ``[prompt_tokens, drafts, accepted]`` per request for the scatter plot;
+  ``[prompt_tokens, drafts, accepted]`` per request for the scatter plot, and
+  ``per_request_matches_counters`` says whether those add up to the engine's own counters;
 * ``--max-prompt-tokens`` may go up to the target's context: max model len = max prompt tokens +
   max tokens + K + 8 must be <= the target's ``max_position_embeddings`` (on the tiny target,
   32,768: ``--max-prompt-tokens 30000`` gives 30,079), else the run stops before any engine starts;
@@ -157,6 +158,7 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
                 if len(steady) < len(rounds) else None,
                 "after_prefill_rounds": len(rounds) - len(steady),
             }
+    points = per_request_tau(request_spec)
     return {
         "status": "ok", **{k: v for k, v in first.items() if k != "method"},
         "by_concurrency": {str(c): {k: res["summary"][k] for k in ("tau", "output_tokens_per_s", "mean_itl_ms",
@@ -164,7 +166,10 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
                            for c, res in per_concurrency.items()},
         "draft_ms_by_context": draft_ms,
         "tau_by_prompt_tokens": tau_by_prompt_tokens(request_spec),
-        "per_request_tau": per_request_tau(request_spec),
+        # the per-request histograms add up to the engine's counters (same drafts and accepted tokens)
+        "per_request_matches_counters": [sum(p[1] for p in points), sum(p[2] for p in points)]
+        == [first["num_drafts"], first["accepted_tokens"]],
+        "per_request_tau": points,
         "_outputs": {c: res["outputs"] for c, res in per_concurrency.items()},
     }
 
