@@ -45,12 +45,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from vllm_dlite.vllm import compat, cpu_fixes
+from vllm_dlite.vllm import adaptive, compat, cpu_fixes
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
 SUPPORTED_VLLM_SERIES = compat.SUPPORTED_VLLM_SERIES
 DLITE_METHOD = "dlite"
+# "dlite" plus dlite-adaptive / dlite-hybrid (vllm_dlite.vllm.adaptive): same checkpoint and path
+DLITE_METHODS = (DLITE_METHOD, *adaptive.METHOD_MODES)
 VLLM_METHOD = "dflash"  # vLLM's parallel-drafting path that DLite rides on
 _WRAPPED = "__dlite_wrapped__"
 
@@ -91,7 +93,7 @@ def _guard_dlite_method() -> None:
     @functools.wraps(original)
     def create_speculative_config(self, *args, **kwargs):
         spec = self.speculative_config or {}
-        if spec.get("method") == DLITE_METHOD or getattr(self, "spec_method", None) == DLITE_METHOD:
+        if spec.get("method") in DLITE_METHODS or getattr(self, "spec_method", None) in DLITE_METHODS:
             raise RuntimeError(compat.unsupported_message())
         return original(self, *args, **kwargs)
 
@@ -141,6 +143,12 @@ def _patch_engine_args() -> None:
             self.speculative_config = prepare_speculative_config(
                 self.speculative_config, target_model_config
             )
+            # dlite-adaptive / dlite-hybrid: the workers read their options from additional_config
+            drafting = self.speculative_config.pop(adaptive.ADDITIONAL_CONFIG_KEY, None)
+            if drafting is not None:
+                if not isinstance(self.additional_config, dict):
+                    self.additional_config = dict(self.additional_config or {})
+                self.additional_config[adaptive.ADDITIONAL_CONFIG_KEY] = drafting
         return original(self, target_model_config, target_parallel_config)
 
     setattr(create_speculative_config, _WRAPPED, True)
@@ -157,7 +165,7 @@ def _patch_engine_args() -> None:
                 if action.dest == "spec_method" and action.choices is not None:
                     choices = list(action.choices)
                     if DLITE_METHOD not in choices:
-                        action.choices = [DLITE_METHOD, *choices]
+                        action.choices = [*DLITE_METHODS, *choices]
             return parser
 
         setattr(add_cli_args_with_dlite, _WRAPPED, True)
@@ -289,7 +297,7 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     spec = {str(k).replace("-", "_"): v for k, v in spec.items()}
     method = spec.get("method")
     model = spec.get("model")
-    is_dlite = method == DLITE_METHOD
+    is_dlite = method in DLITE_METHODS
     if not is_dlite and method in (None, VLLM_METHOD) and model is not None:
         is_dlite = _local_checkpoint_is_dlite(model)
     if not is_dlite:
@@ -306,6 +314,14 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
         spec.get("revision"),
     )
     out = dict(spec)
+    options = out.pop(adaptive.OPTIONS_KEY, None)
+    mode = adaptive.METHOD_MODES.get(method)
+    if options is not None and mode is None:
+        raise ValueError(
+            f'speculative_config "{adaptive.OPTIONS_KEY}" applies to "method": "dlite-adaptive" or '
+            f'"dlite-hybrid", not {method!r}')
+    if mode is not None:  # validated now; carried to the workers by the engine-args wrapper
+        out[adaptive.ADDITIONAL_CONFIG_KEY] = adaptive.AdaptiveOptions.from_dict(mode, options).to_dict()
     out["method"] = VLLM_METHOD
     out["model"] = str(directory) if Path(str(model)).exists() else model
     if out.get("num_speculative_tokens") is None:
@@ -317,9 +333,9 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
             "batch: remove disable_padded_drafter_batch from speculative_config"
         )
     logger.info(
-        "DLite: speculative method 'dlite' (dlite_v1 checkpoint %s, k=%d of K=%d, G=%d, target "
+        "DLite: speculative method '%s' (dlite_v1 checkpoint %s, k=%d of K=%d, G=%d, target "
         "layers %s) runs on vLLM's parallel-drafting path ('dflash') with the DLite proposer",
-        directory, out["num_speculative_tokens"], cfg.num_draft_tokens, cfg.anchor_group_size,
+        method, directory, out["num_speculative_tokens"], cfg.num_draft_tokens, cfg.anchor_group_size,
         cfg.target_layer_ids,
     )
     return out
@@ -366,6 +382,8 @@ def _wrap_init_speculator(original: Callable) -> Callable:
     @functools.wraps(original)
     def init_speculator(vllm_config, device, *args, **kwargs):
         if is_dlite_draft(vllm_config.speculative_config):
+            # dlite-adaptive / dlite-hybrid need Model Runner V1: fail with the fix
+            adaptive.check_runner(adaptive.options_from_vllm_config(vllm_config), "v2")
             from vllm_dlite.vllm.speculator_v2 import DLiteSpeculator
 
             logger.info("DLite: Model Runner V2 speculator = DLiteSpeculator (no draft KV cache)")

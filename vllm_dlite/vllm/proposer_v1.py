@@ -21,6 +21,15 @@ replaces what touches the draft model:
   sampled requests: then sampled rows draw from ``softmax(logits / T_request)`` and
   ``take_last_draft_probs`` returns those probabilities for lossless rejection sampling.
 
+``dlite-adaptive`` / ``dlite-hybrid`` (:mod:`vllm_dlite.vllm.adaptive`): the proposer then returns a
+``list[list[int]]`` of per-request drafts of 0..k tokens (vLLM's runner hands a list to the
+scheduler as is; async scheduling, which needs a tensor, is refused at start-up), decided by an
+:class:`~vllm_dlite.vllm.adaptive.AdaptiveController` from the measured cost model, the
+request's running acceptance and the head's probabilities; in hybrid mode vLLM's
+``NgramProposer`` is asked first, on each request's context ``token_ids_cpu[:a] + [x_a]`` (the
+accepted drafts of this step are already in ``token_ids_cpu``: the runner writes scheduled drafts
+there before the forward).
+
 Mixed prefill/decode batches, chunked prefill, preemption and requests finishing mid-batch need no
 state here (the drafter is history-free): each round reads only the current batch. Drafts of a
 partial prefill chunk are computed from its last scheduled row and discarded by vLLM's scheduler
@@ -30,8 +39,11 @@ re-prefilled and drafted from its new last row.
 
 from __future__ import annotations
 
+import copy
+import time
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config
 from vllm.logger import init_logger
@@ -39,6 +51,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dlite.config import GREEDY_EPS
+from vllm_dlite.vllm.adaptive import AdaptiveController, check_runner, options_from_vllm_config
 
 
 logger = init_logger("vllm.dlite.proposer_v1")  # under "vllm": vLLM's handlers
@@ -49,6 +62,7 @@ class DLiteProposer(DFlashProposer):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
+        self.runner = runner  # the base class does not keep it (token history, request states)
         from vllm_dlite.vllm.plugin import checkpoint_config
 
         self.dlite_config = checkpoint_config(self.draft_model_config)
@@ -57,6 +71,17 @@ class DLiteProposer(DFlashProposer):
         # The DFlash base allocates per-token draft input buffers we never use; keep them tiny.
         self.hidden_states = torch.empty(0, self.hidden_size, dtype=self.dtype, device=device)
         self.inputs_embeds = torch.empty(0, self.inputs_embeds_size, dtype=self.dtype, device=device)
+        # dlite-adaptive / dlite-hybrid (None: plain dlite, fixed k)
+        options = options_from_vllm_config(vllm_config)
+        check_runner(options, "v1", bool(getattr(runner, "use_async_scheduling", False)))
+        self.controller: Optional[AdaptiveController] = None
+        self.ngram = None
+        if options is not None:
+            self.controller = AdaptiveController(options, self.dlite_config.num_draft_tokens)
+            if options.mode == "hybrid":
+                self.ngram = _ngram_proposer(vllm_config, options, self.dlite_config.num_draft_tokens)
+            logger.info("DLite: %s drafting (%s)", options.mode,
+                        ", ".join(f"{k}={v}" for k, v in options.to_dict().items() if k != "mode"))
 
     # ------------------------------------------------------------------ model / KV
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -168,7 +193,8 @@ class DLiteProposer(DFlashProposer):
         mm_embed_inputs=None,
         num_rejected_tokens_gpu: Optional[torch.Tensor] = None,
         slot_mappings=None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[list[int]]:
+        started = time.perf_counter()
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
@@ -182,6 +208,11 @@ class DLiteProposer(DFlashProposer):
             anchors, rows, target_token_ids, target_positions, common_attn_metadata
         )
         temperatures = self._temperatures(sampling_metadata)
+        if self.controller is not None:
+            return self._propose_adaptive(
+                num_speculative_tokens, started, rows, features, group_ids, group_lens, temperatures,
+                target_positions, common_attn_metadata, num_rejected_tokens_gpu,
+            )
         draft_ids, logits = self.model.propose_drafts(
             features,
             group_ids,
@@ -197,6 +228,111 @@ class DLiteProposer(DFlashProposer):
             t = torch.where(t < GREEDY_EPS, torch.ones_like(t), t)
             self._last_draft_probs = torch.softmax(logits / t.view(-1, 1, 1), dim=-1).contiguous()
         return draft_ids
+
+    # ------------------------------------------------------------------ adaptive / hybrid
+    def _ngram_drafts(self, k: int, rows: torch.Tensor, anchors: torch.Tensor,
+                      target_positions: torch.Tensor) -> list[list[int]]:
+        """vLLM's n-gram matcher on each request's context ``x_0 .. x_a`` (see module docstring)."""
+        B = rows.shape[0]
+        history = self.runner.input_batch.token_ids_cpu
+        a = (target_positions[rows].long() + 1).cpu().numpy().clip(0, history.shape[1] - 1)
+        anchors_c = anchors.cpu().numpy()
+        ctx = np.zeros((B, int(a.max()) + 1), dtype=history.dtype)
+        for i in range(B):
+            ctx[i, : a[i]] = history[i, : a[i]]
+            ctx[i, a[i]] = anchors_c[i]
+        return self.ngram.batch_propose(B, list(range(B)), (a + 1).astype(np.int32), ctx, k)
+
+    def _propose_adaptive(self, k, started, rows, features, group_ids, group_lens, temperatures,
+                          target_positions, common_attn_metadata, num_rejected_tokens_gpu) -> list[list[int]]:
+        ctl = self.controller
+        batch = self.runner.input_batch
+        B = rows.shape[0]
+        req_ids = list(batch.req_ids[:B])
+        qsl = common_attn_metadata.query_start_loc_cpu[: B + 1].tolist()
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(B)]
+        scheduled = [len(batch.spec_token_ids[i]) for i in range(B)]
+        rejected = None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:B].tolist()
+        ctl.begin_round(req_ids, scheduled, query_lens, rejected, live_req_ids=self.runner.requests,
+                        now=started)
+
+        ngram = self._ngram_drafts(k, rows, group_ids[:, -1], target_positions) if self.ngram is not None else None
+        plan = ctl.plan(req_ids, k, ngram)
+        confidence: dict[int, list[float]] = {}
+        dlite_ids: dict[int, list[int]] = {}
+        probs = None
+        if plan.dlite_rows:
+            sel_c = torch.tensor(plan.dlite_rows, dtype=torch.long)
+            sel = sel_c.to(features.device)
+            temps = None if temperatures is None else temperatures[:B][sel]
+            ids, logits = self.model.propose_drafts(
+                features[sel], group_ids[sel], None if group_lens is None else group_lens[sel_c],
+                temperatures=temps, num_tokens=k, return_logits=True,
+            )
+            # the head's probability of each drafted token: softmax(logits / T) (greedy rows: T = 1)
+            t = torch.ones(len(plan.dlite_rows), device=logits.device) if temps is None else temps.float().to(logits.device)
+            t = torch.where(t < GREEDY_EPS, torch.ones_like(t), t)
+            probs = torch.softmax(logits / t.view(-1, 1, 1), dim=-1)
+            conf = probs.gather(-1, ids[..., None].to(probs.device)).squeeze(-1).cpu().tolist()
+            for pos, row in enumerate(plan.dlite_rows):
+                confidence[row] = conf[pos]
+                dlite_ids[row] = ids[pos].tolist()
+        lengths = ctl.select(plan, req_ids, k, confidence)
+
+        drafts: list[list[int]] = []
+        sources: list[Optional[str]] = []
+        for i in range(B):
+            if i in plan.ngram:
+                drafts.append(list(plan.ngram[i][: lengths[i]]))
+                sources.append("ngram")
+            elif i in dlite_ids:
+                drafts.append(dlite_ids[i][: lengths[i]])
+                sources.append("dlite")
+            else:
+                drafts.append([])
+                sources.append(None)
+        if temperatures is not None and any(drafts):
+            # vLLM reads draft probabilities [:len(draft)] per request; n-gram drafts are one-hot
+            V = self.dlite_config.vocab_size
+            full = torch.zeros(B, k, V, dtype=torch.float32, device=features.device)
+            if probs is not None:
+                full[torch.tensor(plan.dlite_rows, device=features.device)] = probs.to(full.device)
+            for i, tokens in enumerate(drafts):
+                if sources[i] == "ngram" and tokens:
+                    full[i, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+            self._last_draft_probs = full
+        ctl.end_round(req_ids, sources, lengths, plan.phase, len(plan.dlite_rows),
+                      time.perf_counter() - started if plan.dlite_rows else None)
+        return drafts
+
+
+def _ngram_proposer(vllm_config: VllmConfig, options, k: int):
+    """vLLM's ``NgramProposer`` for the hybrid, configured with the hybrid's match lengths (it reads
+    them from a speculative config; a copy carries them, vLLM's own config is left alone)."""
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    config = copy.copy(vllm_config)
+    spec = copy.copy(vllm_config.speculative_config)
+    object.__setattr__(spec, "prompt_lookup_min", options.ngram_min)
+    object.__setattr__(spec, "prompt_lookup_max", options.ngram_max)
+    object.__setattr__(spec, "num_speculative_tokens", k)
+    object.__setattr__(config, "speculative_config", spec)
+    import numba
+
+    # numba's OpenMP threading layer shares the OpenMP runtime with torch: its first parallel call
+    # sets torch's thread count to numba's default (all cores), and vLLM's CPU worker forbids
+    # torch.set_num_threads afterwards (on a 2-core host the drafter became ~70x slower). The
+    # matcher runs on one thread anyway (vLLM caps it at 1), so use numba's own thread pool.
+    threads = torch.get_num_threads()
+    numba.config.THREADING_LAYER = "workqueue"
+    proposer = NgramProposer(config)
+    # compile the matcher now (vLLM's own warm-up call skips it: it has no valid request)
+    proposer.batch_propose(1, [0], np.array([4], dtype=np.int32), np.zeros((1, 4), dtype=np.int32), k)
+    if torch.get_num_threads() != threads:  # numba's layer was started earlier with OpenMP
+        logger.warning("DLite hybrid: numba changed torch's thread count %d -> %d (threading layer %s); "
+                       "restoring it", threads, torch.get_num_threads(), numba.threading_layer())
+        torch._C._set_num_threads(threads)
+    return proposer
 
 
 __all__ = ["DLiteProposer"]

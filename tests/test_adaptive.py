@@ -1,0 +1,422 @@
+"""dlite-adaptive and dlite-hybrid (issue 18): decision logic (fast) and engine runs (slow).
+
+Fast: options and config mapping, the measured cost model's fit, the throughput-maximising length
+choice, the confidence cut, the per-position running acceptance, the hybrid's source choice, the
+controller's phases, and the V2 / async-scheduling refusals.
+
+Slow (``@pytest.mark.slow``, tiny random models of ``helpers_vllm``, in-process engine): greedy
+outputs identical to no speculation for both methods; a cost model where drafting cannot pay
+proposes nothing, one where it always pays proposes K; the hybrid proposes with the n-gram on a
+repetitive prompt and with DLite where the context has no match; sampled outputs keep the target's
+distribution (chi-square, as in ``test_vllm_sampling.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+import helpers_vllm as H  # noqa: E402
+
+from vllm_dlite.vllm.adaptive import (ADDITIONAL_CONFIG_KEY, AcceptanceStats, AdaptiveController,
+                                      AdaptiveOptions, CostModel, Plan, check_runner, choose_lengths,
+                                      choose_source, confidence_cut)
+
+H.apply_vllm_env()
+torch.set_num_threads(1)
+
+K = H.BLOCK_K
+FREE = {"step_s": 0.01, "request_s": 0.0, "token_s": 0.0, "draft_s": 0.0}  # drafting always pays
+EXPENSIVE = {"step_s": 0.01, "request_s": 0.0, "token_s": 0.01, "draft_s": 1.0}  # never pays
+
+
+# =========================================================================== options / config
+def test_options_validate_with_one_message():
+    opts = AdaptiveOptions.from_dict("hybrid", {"confidence_threshold": 0.2, "ngram_min": 2})
+    assert opts.mode == "hybrid" and opts.confidence_threshold == 0.2 and opts.ngram_min == 2
+    assert AdaptiveOptions.from_dict("adaptive").mode == "adaptive"
+    for bad, needle in [({"confidence": 0.1}, "unknown option(s) ['confidence']"),
+                        ({"confidence_threshold": 1.5}, "confidence_threshold = 1.5"),
+                        ({"ngram_min": 6, "ngram_max": 5}, "ngram_min"),
+                        ({"cost_model": {"step": 1}}, "cost_model"),
+                        ({"probe_every": -1}, "probe_every")]:
+        with pytest.raises(ValueError, match=None) as err:
+            AdaptiveOptions.from_dict("adaptive", bad)
+        assert needle in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="unknown DLite drafting mode"):
+        AdaptiveOptions.from_dict("turbo")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return H.tiny_models(tmp_path_factory.mktemp("dlite_adaptive_models"))
+
+
+def test_methods_map_to_dflash_and_carry_options(models):
+    from vllm_dlite.vllm import plugin
+
+    cfg = H.target_config(models.target)
+    out = plugin.prepare_speculative_config(
+        {"method": "dlite-adaptive", "model": str(models.drafter),
+         "dlite_options": {"confidence_threshold": 0.1}}, cfg)
+    assert out["method"] == "dflash" and out["num_speculative_tokens"] == K
+    assert "dlite_options" not in out
+    assert out[ADDITIONAL_CONFIG_KEY]["mode"] == "adaptive"
+    assert out[ADDITIONAL_CONFIG_KEY]["confidence_threshold"] == 0.1
+    out = plugin.prepare_speculative_config({"method": "dlite-hybrid", "model": str(models.drafter)}, cfg)
+    assert out[ADDITIONAL_CONFIG_KEY]["mode"] == "hybrid"
+    assert ADDITIONAL_CONFIG_KEY not in plugin.prepare_speculative_config(
+        {"method": "dlite", "model": str(models.drafter)}, cfg)
+    with pytest.raises(ValueError, match="applies to"):
+        plugin.prepare_speculative_config(
+            {"method": "dlite", "model": str(models.drafter), "dlite_options": {}}, cfg)
+    with pytest.raises(ValueError, match="unknown option"):
+        plugin.prepare_speculative_config(
+            {"method": "dlite-hybrid", "model": str(models.drafter), "dlite_options": {"x": 1}}, cfg)
+
+
+def test_engine_config_carries_the_mode_to_the_workers_and_v2_refuses_it(models):
+    """``additional_config`` reaches the workers; Model Runner V2 (GPU default) fails with the fix."""
+    pytest.importorskip("vllm")
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dlite.vllm import plugin
+    from vllm_dlite.vllm.adaptive import options_from_vllm_config
+
+    plugin.register()
+    config = EngineArgs(model=str(models.target), dtype="float32", max_model_len=256,
+                        speculative_config={"method": "dlite-hybrid", "model": str(models.drafter),
+                                            "dlite_options": {"ngram_min": 2}}).create_engine_config()
+    assert config.speculative_config.method == "dflash" and plugin.is_dlite_draft(config.speculative_config)
+    opts = options_from_vllm_config(config)
+    assert opts.mode == "hybrid" and opts.ngram_min == 2
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        spec_decode.init_speculator(config, torch.device("cpu"))
+    plain = EngineArgs(model=str(models.target), dtype="float32", max_model_len=256,
+                       speculative_config={"method": "dlite", "model": str(models.drafter)}).create_engine_config()
+    assert options_from_vllm_config(plain) is None
+
+
+def test_check_runner():
+    opts = AdaptiveOptions.from_dict("adaptive")
+    check_runner(None, "v2")  # plain dlite: nothing to refuse
+    check_runner(opts, "v1")
+    with pytest.raises(ValueError, match="dlite-adaptive.*Model Runner V2"):
+        check_runner(opts, "v2")
+    with pytest.raises(ValueError, match="--no-async-scheduling"):
+        check_runner(opts, "v1", async_scheduling=True)
+
+
+# =========================================================================== cost model
+def test_cost_model_recovers_measured_costs():
+    cost = CostModel(window=64, decay=1.0)
+    assert not cost.ready
+    rng = np.random.default_rng(0)
+    for t in range(60):
+        B = int(rng.integers(1, 9))
+        drafts = int(rng.integers(0, K * B + 1)) if t % 2 else 0
+        cost.observe_step(B, B + drafts, 0.010 + 0.002 * B + 0.0005 * drafts + rng.normal(0, 1e-5))
+        cost.observe_draft(B, 0.003 + 0.0001 * B)
+    assert cost.ready
+    assert cost.step_seconds(4) == pytest.approx(0.018, rel=0.02)
+    assert cost.token_seconds(4) == pytest.approx(0.0005, rel=0.05)
+    assert cost.step_seconds(4, 4 + 8) == pytest.approx(0.022, rel=0.02)
+    assert cost.draft_seconds(4) == pytest.approx(0.0034, rel=0.02)
+    cost.observe_draft(4, 5.0)  # a one-off stall is clipped, not learned
+    assert cost.draft_seconds(4) < 0.01
+
+
+def test_cost_model_fixed():
+    cost = CostModel(fixed={"step_s": 0.01, "request_s": 0.001, "token_s": 0.002, "draft_s": 0.005,
+                            "draft_request_s": 0.001})
+    assert cost.ready
+    assert cost.step_seconds(2, 5) == pytest.approx(0.01 + 0.002 + 0.006)
+    assert cost.draft_seconds(3) == pytest.approx(0.008)
+
+
+# =========================================================================== decisions
+def test_confidence_cut():
+    assert confidence_cut([0.9, 0.5, 0.04, 0.9], 0.05) == 2
+    assert confidence_cut([0.9, 0.5], 0.05) == 2
+    assert confidence_cut([0.01], 0.05) == 0
+    assert confidence_cut([0.01, 0.2], 0.0) == 2
+
+
+def test_choose_lengths_follows_the_cost_model():
+    p = [np.cumprod([0.9] * K), np.cumprod([0.2] * K)]
+    # drafting free: every drafted token is proposed
+    assert choose_lengths(p, [K, K], CostModel(FREE)).lengths == [K, K]
+    # caps (confidence cut) are respected
+    assert choose_lengths(p, [2, 0], CostModel(FREE)).lengths == [2, 0]
+    # drafting costs more than it can return: nothing
+    c = choose_lengths(p, [K, K], CostModel(EXPENSIVE))
+    assert c.lengths == [0, 0] and not c.speculate
+    # a token costs 30% of a step: only tokens likely enough to be accepted
+    mid = CostModel({"step_s": 0.01, "token_s": 0.003, "draft_s": 0.0})
+    c = choose_lengths(p, [K, K], mid)
+    assert c.speculate and c.lengths[1] == 0 and 0 < c.lengths[0] < K
+    # the chosen set maximises the rate: one token more or less is not better
+    def rate(lengths):
+        tokens = 2 + sum(float(p[i][: lengths[i]].sum()) for i in range(2))
+        return tokens / (0.01 + 0.003 * sum(lengths))
+    best = rate(c.lengths)
+    for d in (-1, 1):
+        alt = [c.lengths[0] + d, 0]
+        if 0 <= alt[0] <= K:
+            assert rate(alt) <= best + 1e-12
+    assert c.rate == pytest.approx(best)
+    # min_gain: a marginal gain is not worth it
+    small = [np.cumprod([0.05] * K)]
+    cm = CostModel({"step_s": 0.01, "token_s": 0.0004, "draft_s": 0.0})
+    assert choose_lengths(small, [K], cm, min_gain=0.0).speculate
+    assert not choose_lengths(small, [K], cm, min_gain=0.5).speculate
+
+
+def test_acceptance_running_mean_per_position():
+    acc = AcceptanceStats(4, prior=0.5, strength=1.0, request_decay=0.5, global_decay=1.0)
+    assert acc.alpha("a", "dlite").tolist() == [0.5] * 4
+    acc.observe("a", "dlite", proposed=4, accepted=2)  # positions 1, 2 accepted, 3 rejected, 4 unseen
+    g = acc.global_alpha("dlite")
+    assert g[0] == g[1] == pytest.approx(0.75) and g[2] == pytest.approx(0.25) and g[3] == 0.5
+    a = acc.alpha("a", "dlite")
+    assert a[0] > g[0] and a[2] < g[2] and a[3] == pytest.approx(0.5)
+    # a new request starts from the population's means; another source is separate
+    assert acc.alpha("b", "dlite").tolist() == pytest.approx(g.tolist())
+    assert acc.alpha("a", "ngram").tolist() == [0.5] * 4
+    # the running mean follows recent rounds (decay 0.5)
+    for _ in range(6):
+        acc.observe("a", "dlite", proposed=4, accepted=0)
+    assert acc.alpha("a", "dlite")[0] < 0.2
+    p = acc.cumulative("a", "dlite")
+    assert all(p[j + 1] <= p[j] for j in range(3))
+    assert acc.expected_accepted("a", "dlite", 2) == pytest.approx(p[0] + p[1])
+    acc.forget("a")
+    assert acc.alpha("a", "dlite").tolist() == pytest.approx(acc.global_alpha("dlite").tolist())
+
+
+def test_hybrid_source_choice():
+    assert choose_source(0, 0.0, 1.0) == "dlite"  # no match
+    assert choose_source(4, 2.0, 1.5) == "ngram"
+    assert choose_source(1, 0.6, 1.5) == "dlite"  # a short match loses to a good DLite
+
+    opts = AdaptiveOptions.from_dict("hybrid", {"cost_model": FREE, "probe_every": 0})
+    ctl = AdaptiveController(opts, K, clock=lambda: 0.0)
+    plan = ctl.plan(["rep", "new"], K, [[5, 6, 7, 8], []])
+    assert plan.ngram == {0: [5, 6, 7, 8]} and plan.dlite_rows == [1]
+    # the n-gram keeps failing for "rep": DLite takes over for that request
+    for _ in range(8):
+        ctl.acceptance.observe("rep", "ngram", 4, 0)
+        ctl.acceptance.observe("rep", "dlite", 4, 3)
+    plan = ctl.plan(["rep", "new"], K, [[5, 6, 7, 8], []])
+    assert plan.ngram == {} and plan.dlite_rows == [0, 1]
+
+
+def _round(ctl, req_ids, confidence, k=K, ngram=None):
+    plan = ctl.plan(req_ids, k, ngram)
+    conf = {i: confidence for i in plan.dlite_rows}
+    lengths = ctl.select(plan, req_ids, k, conf)
+    sources = ["ngram" if i in plan.ngram else ("dlite" if i in conf else None) for i in range(len(req_ids))]
+    ctl.end_round(req_ids, sources, lengths, plan.phase, len(plan.dlite_rows), 0.001 if plan.dlite_rows else None)
+    return plan, lengths
+
+
+def test_controller_free_and_expensive_drafting():
+    cheap = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": FREE, "probe_every": 0,
+                                                                      "confidence_threshold": 0.1}), K)
+    plan, lengths = _round(cheap, ["a", "b"], [0.9, 0.8, 0.5, 0.3])
+    assert plan.phase == "decide" and lengths == [K, K]
+    plan, lengths = _round(cheap, ["a", "b"], [0.9, 0.05, 0.5, 0.3])  # confidence cut after one token
+    assert lengths == [1, 1]
+
+    dear = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": EXPENSIVE, "probe_every": 0}), K)
+    plan, lengths = _round(dear, ["a", "b"], [0.99] * K)
+    assert plan.dlite_rows == [] and lengths == [0, 0]  # the drafter does not even run
+
+
+def test_controller_explores_then_probes_and_learns():
+    """Online cost model: explore rounds alternate off/on, then one probe every ``probe_every``."""
+    now = [0.0]
+    ctl = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"explore_rounds": 4, "probe_every": 5}),
+                             K, clock=lambda: now[0])
+    phases = []
+    scheduled = [0, 0]
+    for r in range(12):
+        # a step costs 10 ms + 1 ms per draft token verified: speculation with tau ~ 1.9 pays
+        now[0] += 0.010 + 0.001 * sum(scheduled)
+        ctl.begin_round(["a", "b"], scheduled, [1 + s for s in scheduled],
+                        [max(0, s - 2) for s in scheduled] if any(scheduled) else None)
+        plan, lengths = _round(ctl, ["a", "b"], [0.9] * K)
+        phases.append(plan.phase)
+        scheduled = lengths
+        now[0] += 0.002
+    assert phases[:4] == ["explore-off", "explore-on", "explore-off", "explore-on"]
+    assert "probe-off" in phases and phases.count("decide") >= 5
+    assert ctl.cost.ready and ctl.cost.token_seconds(2) == pytest.approx(0.001, rel=0.2)
+    assert ctl.speculating
+    stats = ctl.stats()
+    assert stats["totals"]["dlite"]["accepted"] > 0
+    assert set(stats["requests"]) == {"a", "b"}
+    ctl.begin_round(["b"], [0], [1], None, live_req_ids={"b"})  # "a" finished
+    assert "a" in ctl.finished and "a" not in ctl.requests
+    assert "dlite" in ctl.summary_line()
+
+
+# =========================================================================== engine (slow)
+vllm = pytest.importorskip("vllm")
+from vllm import SamplingParams  # noqa: E402
+
+NUM_PROMPTS = 12
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return H.make_prompts(NUM_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def baseline(models, prompts, greedy):
+    return H.run_llm(models.target, prompts, greedy, max_num_seqs=4)
+
+
+def spec(method, drafter, **options):
+    return {"method": method, "model": str(drafter), "dlite_options": options}
+
+
+def _run_job(target, prompts, params, speculative_config, record_plans: bool, kwargs: dict):
+    """``H.run_llm`` plus the drafting counters (read before the engine goes) and, with
+    ``record_plans``, every round's ``(req_ids, n-gram candidates, Plan)``."""
+    from vllm_dlite.vllm import adaptive
+
+    ctl, decisions = [], []
+    end_round, plan = adaptive.AdaptiveController.end_round, adaptive.AdaptiveController.plan
+
+    def recording_end_round(self, *a, **kw):
+        end_round(self, *a, **kw)
+        ctl[:] = [self]
+
+    def recording_plan(self, req_ids, k, ngram_drafts=None):
+        out = plan(self, req_ids, k, ngram_drafts)
+        decisions.append((list(req_ids), [list(d) for d in (ngram_drafts or [[]] * len(req_ids))], out))
+        return out
+
+    adaptive.AdaptiveController.end_round = recording_end_round
+    if record_plans:
+        adaptive.AdaptiveController.plan = recording_plan
+    try:
+        run = H.run_llm(target, prompts, params, speculative_config, **kwargs)
+    finally:
+        adaptive.AdaptiveController.end_round, adaptive.AdaptiveController.plan = end_round, plan
+    return run, (ctl[0].stats() if ctl else None), decisions
+
+
+def run_with_stats(models, prompts, params, speculative_config, record_plans=False, **kwargs):
+    """:func:`_run_job`; for ``dlite-hybrid`` in a freshly spawned process: vLLM's n-gram
+    proposer imports numba, and once llvmlite is imported vLLM 0.32's CPU kernel registration
+    (``triton_utils.dispatcher.register_kernels``) fails for every later engine of the process
+    (``vars(llvmlite.binding.ffi.lib)`` is not a dict), which would break the engines of the
+    tests that follow in this pytest process."""
+    job = (models.target, prompts, params, speculative_config, record_plans, kwargs)
+    if speculative_config.get("method") != "dlite-hybrid":
+        return _run_job(*job)
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(_run_job, *job).result()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dlite-adaptive", "dlite-hybrid"])
+def test_greedy_identical_to_no_speculation(models, prompts, greedy, baseline, method):
+    # the copy drafter's head is not confident (probabilities ~1/V): no confidence cut here
+    run, stats, _ = run_with_stats(models, prompts, greedy, spec(method, models.copy_drafter, confidence_threshold=0.0))
+    assert run.drafter_types == ["DLiteProposer"]
+    assert run.token_ids == baseline.token_ids
+    m = run.metrics
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+    # the proposer's own counters agree with vLLM's
+    totals = stats["totals"]
+    assert sum(t["accepted"] for t in totals.values()) == m["vllm:spec_decode_num_accepted_tokens"]
+    assert sum(t["proposed"] for t in totals.values()) == m["vllm:spec_decode_num_draft_tokens"]
+    assert sum(t["rounds"] for t in totals.values()) == m["vllm:spec_decode_num_drafts"]
+    assert run.num_gpu_blocks == baseline.num_gpu_blocks  # still no draft KV cache
+
+
+@pytest.mark.slow
+def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(models, prompts, greedy, baseline):
+    sub = prompts[:8]
+    run, stats, _ = run_with_stats(models, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
+                                                          cost_model=EXPENSIVE, probe_every=0))
+    assert run.token_ids == baseline.token_ids[:8]
+    assert run.metrics.get("vllm:spec_decode_num_drafts", 0) == 0
+    assert stats["rounds"] > 0 and stats["totals"]["dlite"]["proposed"] == 0
+
+    run, stats, _ = run_with_stats(models, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
+                                                          cost_model=FREE, confidence_threshold=0.0))
+    assert run.token_ids == baseline.token_ids[:8]
+    m = run.metrics
+    assert m["vllm:spec_decode_num_drafts"] > 0
+    assert m["vllm:spec_decode_num_draft_tokens"] == m["vllm:spec_decode_num_drafts"] * K
+
+
+@pytest.mark.slow
+def test_hybrid_uses_ngram_on_repetitive_context_and_dlite_otherwise(models, greedy):
+    """A prompt repeating one token (the tiny target keeps repeating it) is drafted by the n-gram;
+    a prompt without repeats starts with DLite; every round, a row without a match goes to DLite
+    and a full-length match to the n-gram (equal priors, free drafting)."""
+    repetitive = [132] * 12
+    plain = list(range(40, 52))  # no token repeats
+    prompts = [{"prompt_token_ids": repetitive}, {"prompt_token_ids": plain}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    base = H.run_llm(models.target, prompts, params, max_num_seqs=2)
+    run, stats, decisions = run_with_stats(models, prompts, params,
+                                           spec("dlite-hybrid", models.drafter, confidence_threshold=0.0,
+                                                cost_model=FREE), record_plans=True)
+    assert run.token_ids == base.token_ids
+    rep, new = (stats["requests"][r] for r in decisions[0][0])
+    assert rep["ngram"]["rounds"] > 0 and rep["ngram"]["accepted"] > 0, stats["requests"]
+    assert new["dlite"]["rounds"] > 0, stats["requests"]
+    first_plain = next(d for d in decisions if len(d[0]) == 2)
+    assert first_plain[1][1] == [] and 1 in first_plain[2].dlite_rows
+    for req_ids, cands, p in decisions:
+        for i, cand in enumerate(cands):
+            if not cand:
+                assert i in p.dlite_rows and i not in p.ngram
+    assert any(p.ngram for _, _, p in decisions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dlite-adaptive", "dlite-hybrid"])
+def test_sampled_distribution_equals_target(models, method):
+    """As ``test_vllm_sampling.py``: the joint of the first two sampled tokens over 2,000 requests
+    matches the target's exact distribution (chi-square, alpha 1e-3), probabilistic drafts."""
+    import test_vllm_sampling as S
+
+    from transformers import AutoTokenizer
+
+    model = H._hf_model(str(models.target))
+    ids = AutoTokenizer.from_pretrained(str(models.target)).encode(S.PROMPT)
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double() / S.TEMPERATURE, -1)
+        batch = torch.tensor([ids + [y] for y in range(p1.numel())])
+        p2 = torch.softmax(model(batch).logits[:, -1].double() / S.TEMPERATURE, -1)
+    joint = p1[:, None] * p2
+    params = SamplingParams(temperature=S.TEMPERATURE, max_tokens=4, ignore_eos=True)
+    config = spec(method, models.copy_drafter, confidence_threshold=0.0, cost_model=FREE)
+    config["draft_sample_method"] = "probabilistic"
+    run, _, _ = run_with_stats(models, [S.PROMPT] * S.NUM_REQUESTS, params, config, max_num_seqs=128)
+    counts = collections.Counter(t[0] * H.TARGET_VOCAB + t[1] for t in run.token_ids)
+    p, dof = S.chi_square_p_value(counts, joint, S.NUM_REQUESTS)
+    print(f"{method}: chi2 p={p:.3g}, dof={dof}, accepted={run.metrics['vllm:spec_decode_num_accepted_tokens']}")
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert p > S.ALPHA, f"sampled (y1, y2) differ from the target's distribution: p={p:.2e}"

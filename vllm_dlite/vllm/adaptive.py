@@ -1,0 +1,622 @@
+"""Speculation that never costs: adaptive draft length and DLite + n-gram hybrid drafts (issue 18).
+
+Two speculative methods on top of ``"dlite"`` (Model Runner V1 only; see :func:`check_runner`):
+
+* ``"dlite-adaptive"``: each round, each request proposes ``0..k`` of the drafted tokens, chosen by
+  a **measured** cost model (:class:`CostModel`), the request's recent acceptance
+  (:class:`AcceptanceStats`, a running mean per draft position) and the head's own confidence
+  (the sequential head's probability of the token it drafted; the draft is cut at the first
+  position below ``confidence_threshold``). When nothing is expected to be gained the request
+  proposes 0 tokens, and when no request of the batch would gain, the drafter does not even run.
+* ``"dlite-hybrid"``: the same, plus a second source per request and per round: vLLM's own n-gram
+  matcher (``vllm.v1.spec_decode.ngram_proposer.NgramProposer``, over the request's whole context:
+  prompt with tool output and earlier outputs) proposes when it finds a match of at least
+  ``ngram_min`` tokens and its expected acceptance for this request is at least DLite's; DLite
+  drafts the other requests. Per-request counters record which source proposed every accepted
+  token (:meth:`AdaptiveController.stats`, :func:`collect_stats`, and one log line per finished
+  request at DEBUG, a summary at INFO every ``log_every`` finished requests).
+
+Both are asked for with ``"method"``; options go in ``"dlite_options"`` (validated at config time by
+:meth:`AdaptiveOptions.from_dict`)::
+
+    speculative_config={"method": "dlite-adaptive", "model": "<dlite dir>", "num_speculative_tokens": 7,
+                        "dlite_options": {"confidence_threshold": 0.1}}
+
+The plugin maps the method to vLLM's ``"dflash"`` path like ``"dlite"`` and carries the options to
+the workers in ``VllmConfig.additional_config["dlite_drafting"]`` (a field vLLM passes through
+unchanged; ``SpeculativeConfig`` rejects unknown keys).
+
+Cost model (measured online, no start-up calibration)
+-----------------------------------------------------
+One speculative cycle is a target step that verifies ``N`` tokens for ``B`` requests plus a draft
+round. :class:`CostModel` fits, by exponentially weighted least squares over the last
+``window`` observations,
+
+* ``step(B, N) = a + c_req * B + c_tok * (N - B)``: the wall time from the end of one ``propose``
+  to the start of the next (scheduling, input preparation, the target forward, rejection
+  sampling, bookkeeping), from steps in which every request was decoding (``N - B`` = drafts
+  verified);
+* ``draft(B) = d0 + d1 * B``: the wall time of the drafting itself (``propose``'s own body).
+
+It is identified by its own traffic: the first ``explore_rounds`` rounds alternate "propose
+nothing" and "propose everything the head is confident about", and afterwards one round in
+``probe_every`` does the opposite of the current decision (a probe, so that neither the cost
+model nor the acceptance means go stale). ``cost_model`` in the options replaces the fit by fixed
+numbers (tests, experiments).
+
+Decision: with ``p[i][j]`` the probability that request ``i`` accepts its first ``j+1`` drafts
+(the product of its running conditional acceptance per position), the throughput of a round that
+verifies the set ``S`` of draft tokens is ``(B + sum_S p) / (step(B, B) + c_tok |S| + draft(B))``;
+tokens are added in decreasing ``p`` (prefixes only, capped by the confidence cut) while they raise
+it. Speculation happens only when the best rate beats no speculation, ``B / step(B, B)``, by
+``min_gain``; otherwise every request proposes 0 tokens.
+
+Lossless: the proposer only shortens (or sources) drafts; vLLM's rejection sampler verifies them
+as always. With ``draft_sample_method: "probabilistic"`` the n-gram rows carry one-hot draft
+probabilities (exact for a deterministic proposal).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
+
+METHOD_MODES = {"dlite-adaptive": "adaptive", "dlite-hybrid": "hybrid"}
+MODES = tuple(METHOD_MODES.values())
+OPTIONS_KEY = "dlite_options"  # in the user's speculative_config
+ADDITIONAL_CONFIG_KEY = "dlite_drafting"  # in VllmConfig.additional_config
+SOURCES = ("dlite", "ngram")
+COST_KEYS = ("step_s", "request_s", "token_s", "draft_s", "draft_request_s")
+
+
+# =========================================================================== options
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """Options of ``dlite-adaptive`` / ``dlite-hybrid`` (``speculative_config["dlite_options"]``)."""
+
+    mode: str = "adaptive"
+    confidence_threshold: float = 0.05  # cut the draft at the first head probability below this
+    min_gain: float = 0.02  # speculate only when the predicted rate beats no speculation by this
+    explore_rounds: int = 6  # first rounds: alternate "nothing" / "everything confident"
+    probe_every: int = 32  # one round in this many does the opposite of the decision (0: never)
+    window: int = 64  # cost-model observations kept
+    cost_decay: float = 0.97  # weight of an observation per newer one
+    prior_acceptance: float = 0.6  # conditional acceptance per position before any evidence
+    prior_strength: float = 2.0  # pseudo-observations of the prior (request mean -> global mean)
+    request_decay: float = 0.8  # running mean per request and position: weight of the past
+    global_decay: float = 0.98  # the same, over all requests (the request prior)
+    ngram_min: int = 3  # hybrid: shortest context match that may propose
+    ngram_max: int = 5  # hybrid: longest match looked for
+    adaptive_length: bool = True  # hybrid: also choose lengths by the cost model (else full drafts)
+    log_every: int = 100  # INFO summary every this many finished requests (0: never)
+    cost_model: Optional[dict] = None  # fixed costs in seconds instead of the fit (COST_KEYS)
+
+    @classmethod
+    def from_dict(cls, mode: str, options: Optional[dict] = None) -> "AdaptiveOptions":
+        """Validated options; raises ``ValueError`` naming the bad key and the valid ones."""
+        if mode not in MODES:
+            raise ValueError(f"unknown DLite drafting mode {mode!r}; choose from {MODES}")
+        options = dict(options or {})
+        names = {f.name for f in fields(cls)} - {"mode"}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(f"{OPTIONS_KEY}: unknown option(s) {unknown}; valid: {sorted(names)}")
+        out = cls(mode=mode, **options)
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        def bad(name, why):
+            raise ValueError(f"{OPTIONS_KEY}.{name} = {getattr(self, name)!r}: {why}")
+
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            bad("confidence_threshold", "must be in [0, 1)")
+        if self.min_gain < 0:
+            bad("min_gain", "must be >= 0")
+        for name in ("explore_rounds", "probe_every", "log_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                bad(name, "must be an integer >= 0")
+        if not isinstance(self.window, int) or self.window < 4:
+            bad("window", "must be an integer >= 4")
+        for name in ("cost_decay", "request_decay", "global_decay"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                bad(name, "must be in (0, 1]")
+        if not 0.0 < self.prior_acceptance < 1.0:
+            bad("prior_acceptance", "must be in (0, 1)")
+        if self.prior_strength <= 0:
+            bad("prior_strength", "must be > 0")
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
+                and 1 <= self.ngram_min <= self.ngram_max):
+            bad("ngram_min", f"need integers 1 <= ngram_min <= ngram_max (ngram_max = {self.ngram_max})")
+        if self.cost_model is not None:
+            if not isinstance(self.cost_model, dict) or set(self.cost_model) - set(COST_KEYS):
+                bad("cost_model", f"must be a dict with keys among {COST_KEYS} (seconds)")
+            if any(float(v) < 0 for v in self.cost_model.values()):
+                bad("cost_model", "costs must be >= 0")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def options_from_vllm_config(vllm_config: Any) -> Optional[AdaptiveOptions]:
+    """The drafting options the plugin put in ``additional_config`` (None: plain ``dlite``)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+    if not raw:
+        return None
+    raw = dict(raw)
+    return AdaptiveOptions.from_dict(raw.pop("mode"), raw)
+
+
+def check_runner(options: Optional[AdaptiveOptions], where: str, async_scheduling: bool = False) -> None:
+    """Refuse what the adaptive methods cannot run on, with the fix (config/start-up time).
+
+    Model Runner V2 (``where="v2"``): its speculator hands vLLM a fixed ``[B, k]`` draft tensor;
+    per-request lengths are not possible there, so the methods fail instead of silently running
+    fixed K. V1 with async scheduling: the runner then expects draft tensors, not lists."""
+    if options is None:
+        return
+    method = next(m for m, mode in METHOD_MODES.items() if mode == options.mode)
+    if where == "v2":
+        raise ValueError(
+            f"'method': '{method}' chooses a draft length per request, which vLLM's Model Runner V2 "
+            "(the GPU default) cannot take: set VLLM_USE_V2_MODEL_RUNNER=0 to serve it with Model "
+            "Runner V1, or use 'method': 'dlite' (fixed k)")
+    if async_scheduling:
+        raise ValueError(
+            f"'method': '{method}' hands vLLM per-request draft lists, which Model Runner V1 accepts "
+            "only without async scheduling: pass --no-async-scheduling (async_scheduling=False)")
+
+
+# =========================================================================== acceptance
+class AcceptanceStats:
+    """Running conditional acceptance per draft position, per request and source.
+
+    ``alpha[j]`` = P(draft position j accepted | positions < j accepted). Per request it is a
+    decayed count ``(acc_j + m g_j) / (n_j + m)`` whose prior ``g_j`` is the same mean over all
+    requests (itself starting at ``prior``), so a new request starts at the population's rate and
+    a position a request never proposed keeps the population's value."""
+
+    def __init__(self, k_max: int, prior: float = 0.6, strength: float = 2.0,
+                 request_decay: float = 0.8, global_decay: float = 0.98):
+        self.k_max = k_max
+        self.prior, self.strength = prior, strength
+        self.request_decay, self.global_decay = request_decay, global_decay
+        self._global = {s: (np.zeros(k_max), np.zeros(k_max)) for s in SOURCES}
+        self._req: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+
+    def observe(self, req_id: str, source: str, proposed: int, accepted: int) -> None:
+        """One verification: ``accepted`` of the ``proposed`` drafts (positions past the first
+        rejection are not observed)."""
+        proposed = min(int(proposed), self.k_max)
+        accepted = max(0, min(int(accepted), proposed))
+        if proposed <= 0:
+            return
+        seen = min(accepted + 1, proposed)
+        x = np.zeros(seen)
+        x[:accepted] = 1.0
+        racc, rn = self._req.setdefault(req_id, {}).setdefault(source, (np.zeros(self.k_max), np.zeros(self.k_max)))
+        gacc, gn = self._global[source]
+        for acc, n, d in ((racc, rn, self.request_decay), (gacc, gn, self.global_decay)):
+            acc[:seen] = acc[:seen] * d + x
+            n[:seen] = n[:seen] * d + 1.0
+
+    def global_alpha(self, source: str) -> np.ndarray:
+        gacc, gn = self._global[source]
+        return (gacc + self.strength * self.prior) / (gn + self.strength)
+
+    def alpha(self, req_id: str, source: str) -> np.ndarray:
+        g = self.global_alpha(source)
+        rec = self._req.get(req_id, {}).get(source)
+        if rec is None:
+            return g
+        acc, n = rec
+        return (acc + self.strength * g) / (n + self.strength)
+
+    def cumulative(self, req_id: str, source: str) -> np.ndarray:
+        """``p[j]`` = P(the first j+1 drafts are all accepted)."""
+        return np.cumprod(self.alpha(req_id, source))
+
+    def expected_accepted(self, req_id: str, source: str, length: int) -> float:
+        return float(self.cumulative(req_id, source)[: max(0, length)].sum())
+
+    def forget(self, req_id: str) -> None:
+        self._req.pop(req_id, None)
+
+
+# =========================================================================== cost model
+class _WeightedFit:
+    """Exponentially weighted least squares over the last ``window`` rows, with a tiny ridge
+    towards zero on every coefficient but the intercept (keeps it defined without variation);
+    observations above 3x the window's median are clipped to it (one-off stalls)."""
+
+    def __init__(self, num_features: int, window: int, decay: float):
+        self.num_features, self.window, self.decay = num_features, window, decay
+        self.x: list[list[float]] = []
+        self.y: list[float] = []
+        self._coef: Optional[np.ndarray] = None
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        self.x.append([1.0, *map(float, x)])
+        self.y.append(float(y))
+        if len(self.y) > self.window:
+            del self.x[0], self.y[0]
+        self._coef = None
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def coef(self) -> Optional[np.ndarray]:
+        if not self.y:
+            return None
+        if self._coef is None:
+            X, y = np.asarray(self.x), np.asarray(self.y)
+            y = np.minimum(y, 3.0 * np.median(y))  # one-off stalls (first calls, a busy host)
+            w = np.sqrt(self.decay ** np.arange(len(y) - 1, -1, -1))
+            scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
+            A = np.vstack([X / scale * w[:, None], np.diag([0.0] + [1e-3] * (X.shape[1] - 1))])
+            b = np.concatenate([y * w, np.zeros(X.shape[1])])
+            self._coef = np.linalg.lstsq(A, b, rcond=None)[0] / scale
+        return self._coef
+
+
+class CostModel:
+    """Measured step and draft costs (seconds): see the module docstring."""
+
+    def __init__(self, fixed: Optional[dict] = None, window: int = 64, decay: float = 0.97):
+        self.fixed = None if fixed is None else {k: float(fixed.get(k, 0.0)) for k in COST_KEYS}
+        self._step = _WeightedFit(2, window, decay)  # x = (B, N - B)
+        self._draft = _WeightedFit(1, window, decay)  # x = (B,)
+        self._saw_plain = self._saw_drafts = False
+
+    # ---------------------------------------------------------------- observations
+    def observe_step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+        drafts = num_tokens - batch_size
+        self._saw_plain |= drafts == 0
+        self._saw_drafts |= drafts > 0
+        self._step.add((batch_size, drafts), seconds)
+
+    def observe_draft(self, batch_size: int, seconds: float) -> None:
+        self._draft.add((batch_size,), seconds)
+
+    @property
+    def ready(self) -> bool:
+        """Fixed, or measured with and without drafts (so the per-token slope is identified)."""
+        return self.fixed is not None or (self._saw_plain and self._saw_drafts and len(self._draft) > 0)
+
+    def typical_step_seconds(self) -> Optional[float]:
+        return float(np.median(self._step.y)) if len(self._step) else None
+
+    # ---------------------------------------------------------------- predictions
+    def step_seconds(self, batch_size: int, num_tokens: Optional[int] = None) -> float:
+        """Verify step for ``batch_size`` requests and ``num_tokens`` tokens (default: no drafts)."""
+        num_tokens = batch_size if num_tokens is None else num_tokens
+        if self.fixed is not None:
+            f = self.fixed
+            return f["step_s"] + f["request_s"] * batch_size + f["token_s"] * (num_tokens - batch_size)
+        c = self._step.coef()
+        if c is None:
+            return 0.0
+        base = max(c[0] + c[1] * batch_size, 1e-6)
+        return base + self.token_seconds(batch_size) * (num_tokens - batch_size)
+
+    def token_seconds(self, batch_size: int = 1) -> float:
+        """Marginal cost of one more draft token in a verify step (>= 0)."""
+        if self.fixed is not None:
+            return self.fixed["token_s"]
+        c = self._step.coef()
+        return 0.0 if c is None else max(float(c[2]), 0.0)
+
+    def draft_seconds(self, batch_size: int) -> float:
+        if self.fixed is not None:
+            return self.fixed["draft_s"] + self.fixed["draft_request_s"] * batch_size
+        c = self._draft.coef()
+        if c is None:
+            return 0.0
+        return max(float(c[0] + c[1] * batch_size), 0.0)
+
+    def summary(self, batch_size: int = 1) -> dict:
+        return {"fixed": self.fixed is not None, "ready": self.ready,
+                "step_s": self.step_seconds(batch_size), "token_s": self.token_seconds(batch_size),
+                "draft_s": self.draft_seconds(batch_size), "batch_size": batch_size,
+                "step_samples": len(self._step), "draft_samples": len(self._draft)}
+
+
+# =========================================================================== decisions
+def confidence_cut(confidence: Sequence[float], threshold: float) -> int:
+    """Draft tokens to keep: up to (not including) the first whose head probability is below
+    ``threshold``."""
+    for j, c in enumerate(confidence):
+        if c < threshold:
+            return j
+    return len(confidence)
+
+
+@dataclass
+class Choice:
+    lengths: list[int]  # tokens to propose per row
+    rate: float  # predicted tokens/s of the chosen round
+    base_rate: float  # predicted tokens/s without speculation
+    speculate: bool
+
+
+def choose_lengths(p: Sequence[Sequence[float]], caps: Sequence[int], cost: CostModel,
+                   batch_size: Optional[int] = None, min_gain: float = 0.0,
+                   with_draft: bool = True) -> Choice:
+    """Draft lengths maximising predicted throughput.
+
+    ``p[i][j]``: probability that row i's first j+1 drafts are accepted (non-increasing in j);
+    ``caps[i]``: at most this many (confidence cut, k). Greedy: tokens in decreasing ``p`` join
+    while ``p > rate * c_tok`` (each raises ``(B + sum p) / (T0 + c_tok |S| + D)``). All zero when
+    the best rate does not beat ``B / T0`` by ``min_gain``."""
+    n = len(caps)
+    B = n if batch_size is None else batch_size
+    base = cost.step_seconds(B)
+    token_s = cost.token_seconds(B)
+    draft_s = cost.draft_seconds(B) if with_draft else 0.0
+    base_rate = B / base if base > 0 else math.inf
+    cands = sorted(((float(p[i][j]), j, i) for i in range(n) for j in range(min(caps[i], len(p[i])))),
+                   key=lambda t: (-t[0], t[1]))
+    lengths = [0] * n
+    tokens, seconds = float(B), base + draft_s
+    for pij, j, i in cands:
+        if j != lengths[i] or pij <= 0.0:
+            continue
+        if pij * seconds <= tokens * token_s:  # adding it would not raise the rate
+            break
+        tokens += pij
+        seconds += token_s
+        lengths[i] += 1
+    rate = tokens / seconds if seconds > 0 else math.inf
+    speculate = sum(lengths) > 0 and (rate > base_rate * (1.0 + min_gain) or base_rate == math.inf)
+    if not speculate:
+        lengths = [0] * n
+    return Choice(lengths, rate, base_rate, speculate)
+
+
+def choose_source(ngram_len: int, expected_ngram: float, expected_dlite: float) -> str:
+    """Hybrid: the n-gram proposes when it matched (``ngram_len > 0``) and is expected to get at
+    least as many tokens accepted as DLite for this request; else DLite."""
+    return "ngram" if ngram_len > 0 and expected_ngram >= expected_dlite else "dlite"
+
+
+# =========================================================================== per-request counters
+@dataclass
+class SourceCounters:
+    rounds: int = 0  # verifications that carried a draft of this source
+    proposed: int = 0
+    accepted: int = 0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+
+
+@dataclass
+class RequestCounters:
+    sources: dict = field(default_factory=lambda: {s: SourceCounters() for s in SOURCES})
+    rounds_without_draft: int = 0
+
+    def as_dict(self) -> dict:
+        return {s: vars(c).copy() for s, c in self.sources.items()} | {"rounds_without_draft": self.rounds_without_draft}
+
+
+@dataclass
+class Plan:
+    """What a round does before DLite runs: the rows DLite drafts, the n-gram drafts kept."""
+    dlite_rows: list[int]
+    ngram: dict  # row -> tokens
+    phase: str  # "decide" | "explore-off" | "explore-on" | "probe-off" | "probe-on" | "fixed"
+
+
+# =========================================================================== controller
+class AdaptiveController:
+    """Everything the proposer decides per round, on plain Python inputs (unit-testable)."""
+
+    def __init__(self, options: AdaptiveOptions, k_max: int, clock=time.perf_counter):
+        self.options, self.k_max, self.clock = options, k_max, clock
+        self.cost = CostModel(options.cost_model, options.window, options.cost_decay)
+        self.acceptance = AcceptanceStats(k_max, options.prior_acceptance, options.prior_strength,
+                                          options.request_decay, options.global_decay)
+        self.round = 0
+        self.speculating = True  # the last decision
+        self._last_end: Optional[float] = None
+        self._pending: dict[str, tuple[str, int]] = {}  # req_id -> (source, proposed) of last round
+        self.requests: dict[str, RequestCounters] = {}
+        self.finished: dict[str, dict] = {}  # req_id -> counters (bounded)
+        self.totals = {s: SourceCounters() for s in SOURCES}
+        self.rounds_by_phase: dict[str, int] = {}
+        self.num_finished = 0
+
+    @property
+    def adaptive_length(self) -> bool:
+        return self.options.mode == "adaptive" or self.options.adaptive_length
+
+    # ---------------------------------------------------------------- after a verify step
+    def begin_round(self, req_ids: Sequence[str], scheduled_drafts: Sequence[int],
+                    query_lens: Sequence[int], num_rejected: Optional[Sequence[int]],
+                    live_req_ids=None, now: Optional[float] = None) -> None:
+        """Learn from the verify step that just ran: per request, ``scheduled_drafts[i]`` of its
+        drafts were verified and ``num_rejected[i]`` rejected (None: no request had drafts); the
+        step's wall time goes to the cost model when every request was decoding."""
+        now = self.clock() if now is None else now
+        decode_only = all(q == 1 + d for q, d in zip(query_lens, scheduled_drafts)) and len(query_lens) > 0
+        if self._last_end is not None and decode_only:
+            seconds = now - self._last_end
+            typical = self.cost.typical_step_seconds()
+            if typical is None or seconds < 8 * typical:  # not an idle gap between requests
+                self.cost.observe_step(len(query_lens), int(sum(query_lens)), seconds)
+        for i, req_id in enumerate(req_ids):
+            pending = self._pending.pop(req_id, None)
+            counters = self.requests.setdefault(req_id, RequestCounters())
+            k = int(scheduled_drafts[i])
+            if k <= 0 or num_rejected is None or pending is None:
+                if pending is not None and query_lens[i] == 1:
+                    counters.rounds_without_draft += 1
+                continue
+            source = pending[0]
+            if source not in SOURCES:
+                continue
+            accepted = max(0, k - int(num_rejected[i]))
+            self.acceptance.observe(req_id, source, k, accepted)
+            counters.sources[source].add(k, accepted)
+            self.totals[source].add(k, accepted)
+        if live_req_ids is not None:
+            self.retire([r for r in self.requests if r not in live_req_ids])
+
+    # ---------------------------------------------------------------- before drafting
+    def _phase(self) -> str:
+        o = self.options
+        if o.cost_model is None and self.round < o.explore_rounds:
+            return "explore-on" if self.round % 2 else "explore-off"
+        if not self.cost.ready:
+            return "explore-on"
+        if o.probe_every and self.round % o.probe_every == o.probe_every - 1:
+            return "probe-on" if not self.speculating else "probe-off"
+        return "decide"
+
+    def plan(self, req_ids: Sequence[str], k: int,
+             ngram_drafts: Optional[Sequence[Sequence[int]]] = None) -> Plan:
+        """Sources per row (hybrid) and which rows DLite must draft this round."""
+        n = len(req_ids)
+        phase = self._phase() if self.adaptive_length else "fixed"
+        ngram: dict[int, list[int]] = {}
+        dlite_rows = []
+        for i, req_id in enumerate(req_ids):
+            cand = list(ngram_drafts[i])[:k] if ngram_drafts is not None else []
+            e_ng = self.acceptance.expected_accepted(req_id, "ngram", len(cand))
+            e_dl = self.acceptance.expected_accepted(req_id, "dlite", k)
+            if choose_source(len(cand), e_ng, e_dl) == "ngram":
+                ngram[i] = cand
+            else:
+                dlite_rows.append(i)
+        if phase == "explore-off" or phase == "probe-off":
+            return Plan([], {}, phase)
+        if phase != "decide" or not dlite_rows:
+            return Plan(dlite_rows, ngram, phase)
+        # would DLite's rows pay for the drafter at all? (history only: no confidence yet)
+        p, caps = [], []
+        for i, req_id in enumerate(req_ids):
+            if i in ngram:
+                p.append(self.acceptance.cumulative(req_id, "ngram")[: len(ngram[i])])
+                caps.append(len(ngram[i]))
+            else:
+                p.append(self.acceptance.cumulative(req_id, "dlite")[:k])
+                caps.append(k)
+        choice = choose_lengths(p, caps, self.cost, n, self.options.min_gain, with_draft=True)
+        if not any(choice.lengths[i] for i in dlite_rows):
+            dlite_rows = []
+        return Plan(dlite_rows, ngram, phase)
+
+    # ---------------------------------------------------------------- after drafting
+    def select(self, plan: Plan, req_ids: Sequence[str], k: int,
+               dlite_confidence: dict) -> list[int]:
+        """Tokens to propose per row. ``dlite_confidence[row]``: the head's probability of each
+        drafted token (rows DLite drafted)."""
+        n = len(req_ids)
+        caps, p = [0] * n, [np.zeros(0)] * n
+        thr = self.options.confidence_threshold if self.adaptive_length else 0.0
+        for i, req_id in enumerate(req_ids):
+            if i in plan.ngram:
+                caps[i] = len(plan.ngram[i])
+                p[i] = self.acceptance.cumulative(req_id, "ngram")
+            elif i in dlite_confidence:
+                caps[i] = min(k, confidence_cut(dlite_confidence[i], thr))
+                p[i] = self.acceptance.cumulative(req_id, "dlite")
+        if plan.phase in ("fixed", "explore-on", "probe-on"):
+            lengths = caps
+            self.speculating = plan.phase == "fixed" or self.speculating
+        elif plan.phase in ("explore-off", "probe-off"):
+            lengths = [0] * n
+        else:
+            choice = choose_lengths(p, caps, self.cost, n, self.options.min_gain,
+                                    with_draft=bool(dlite_confidence))
+            lengths = choice.lengths
+            self.speculating = choice.speculate
+        return lengths
+
+    def end_round(self, req_ids: Sequence[str], sources: Sequence[Optional[str]],
+                  lengths: Sequence[int], phase: str, draft_batch: int, draft_seconds: Optional[float],
+                  now: Optional[float] = None) -> None:
+        """Remember what each request proposed (attributed at the next ``begin_round``)."""
+        for req_id, source, length in zip(req_ids, sources, lengths):
+            if length > 0 and source is not None:
+                self._pending[req_id] = (source, int(length))
+            else:
+                self._pending[req_id] = ("none", 0)
+        if draft_seconds is not None and draft_batch > 0:
+            self.cost.observe_draft(draft_batch, draft_seconds)
+        self.rounds_by_phase[phase] = self.rounds_by_phase.get(phase, 0) + 1
+        self.round += 1
+        self._last_end = self.clock() if now is None else now
+
+    # ---------------------------------------------------------------- counters
+    def retire(self, req_ids: Sequence[str]) -> None:
+        for req_id in req_ids:
+            counters = self.requests.pop(req_id, None)
+            self._pending.pop(req_id, None)
+            self.acceptance.forget(req_id)
+            if counters is None:
+                continue
+            self.num_finished += 1
+            record = counters.as_dict()
+            self.finished[req_id] = record
+            while len(self.finished) > 4096:
+                self.finished.pop(next(iter(self.finished)))
+            logger.debug("DLite %s: request %s finished: accepted tokens by source %s", self.options.mode,
+                         req_id, {s: record[s]["accepted"] for s in SOURCES})
+            if self.options.log_every and self.num_finished % self.options.log_every == 0:
+                logger.info("%s", self.summary_line())
+
+    def summary_line(self) -> str:
+        parts = []
+        for s in SOURCES:
+            c = self.totals[s]
+            if c.rounds:
+                parts.append(f"{s}: {c.accepted} accepted of {c.proposed} proposed in {c.rounds} drafts "
+                             f"(tau {1 + c.accepted / c.rounds:.2f})")
+        return (f"DLite {self.options.mode}: {self.num_finished} requests finished, {self.round} rounds "
+                f"{self.rounds_by_phase}; " + ("; ".join(parts) or "no drafts verified"))
+
+    def stats(self) -> dict:
+        """Counters for benchmarks: per source totals, per request (live and finished), the cost
+        model and rounds by phase."""
+        per_request = dict(self.finished)
+        per_request.update({r: c.as_dict() for r, c in self.requests.items()})
+        return {"mode": self.options.mode, "rounds": self.round, "rounds_by_phase": dict(self.rounds_by_phase),
+                "totals": {s: vars(c).copy() for s, c in self.totals.items()},
+                "requests": per_request, "cost_model": self.cost.summary(),
+                "options": self.options.to_dict()}
+
+
+# =========================================================================== engine access
+def _worker_stats(worker) -> Optional[dict]:
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    controller = getattr(drafter, "controller", None)
+    return None if controller is None else controller.stats()
+
+
+def collect_stats(llm) -> Optional[dict]:
+    """The drafting counters of an ``vllm.LLM`` running ``dlite-adaptive``/``dlite-hybrid``
+    (rank 0's; every rank decides the same), or None for other methods."""
+    try:
+        out = llm.collective_rpc(_worker_stats)
+    except Exception as exc:  # noqa: BLE001 - report, never break a benchmark
+        logger.warning("DLite: could not read the drafting counters: %s", exc)
+        return None
+    return out[0] if out else None
+
+
+__all__ = [
+    "ADDITIONAL_CONFIG_KEY", "AcceptanceStats", "AdaptiveController", "AdaptiveOptions", "CostModel",
+    "METHOD_MODES", "OPTIONS_KEY", "Plan", "check_runner", "choose_lengths", "choose_source",
+    "collect_stats", "confidence_cut", "options_from_vllm_config",
+]
