@@ -37,8 +37,10 @@ Contract:
   draft round cannot be told apart from the target's verification (``benchmarks/ab.py`` times it
   in-process).
 * **Per level**: turns, sessions, wall time, session wall time (first request sent -> last reply
-  received, mean and max), medians of TTFT / TPOT, output tok/s (all tokens / wall time), tau,
-  prefix-cache hit rate, drafts and draft tokens per turn.
+  received, mean and max; at concurrency 1 it includes the harness's /metrics reads between turns,
+  so ``session_requests_s_mean``, the sum of a session's request times, is also given), medians of
+  TTFT / TPOT, output tok/s (all tokens / wall time), tau, prefix-cache hit rate, drafts and draft
+  tokens per turn.
 * A method that cannot run here (no drafter checkpoint, missing package, server start failure) is
   reported with the reason, never dropped.
 
@@ -187,6 +189,8 @@ def summarize_level(turns: list[dict], wall_s: float, delta: dict, sessions: dic
     return dict(
         turns=len(turns), failed_turns=len(turns) - len(ok), sessions=len(sessions), wall_s=wall_s,
         session_wall_s_mean=sum(walls) / len(walls) if walls else None, session_wall_s_max=max(walls, default=None),
+        session_requests_s_mean=(sum(s.get("requests_s", 0.0) for s in sessions.values()) / len(sessions)
+                                 if sessions else None),
         ttft_ms_median=median(t["ttft_ms"] for t in ok), tpot_ms_median=median(t["tpot_ms"] for t in ok),
         output_tokens=tokens, output_tokens_per_s=tokens / wall_s if wall_s else 0.0,
         tau=1 + accepted / drafts if drafts else None, drafts=drafts,
@@ -309,7 +313,9 @@ async def run_level(base_url: str, model: str, sessions: list[list[Turn]], concu
                 outputs[f"{turn.session_id}/{turn.turn}"] = res["token_ids"]
                 if rec["error"]:
                     print(f"    {turn.session_id} turn {turn.turn}: {rec['status']} {rec['error']}", flush=True)
-            session_stats[session[0].session_id] = dict(turns=len(session), wall_s=time.perf_counter() - t0)
+            session_stats[session[0].session_id] = dict(
+                turns=len(session), wall_s=time.perf_counter() - t0,
+                requests_s=sum(t["e2e_ms"] for t in turns if t["session"] == session[0].session_id) / 1000)
 
     try:
         start = await get_metrics(http, base_url)

@@ -105,11 +105,13 @@ def test_summarize_level():
     turns = [turn(100, 10, 4, 6, 0), turn(300, 20, 6, 9, 80),
              dict(turn(0, 0, 0, 0, 0), status=500, error="boom")]
     delta = sr.metric_delta({}, {sr.METRIC_NAMES["prefix_cache_hits"]: 80, sr.METRIC_NAMES["prefix_cache_queries"]: 200})
-    s = sr.summarize_level(turns, 2.0, delta, {"a": {"wall_s": 1.0}, "b": {"wall_s": 3.0}})
+    s = sr.summarize_level(turns, 2.0, delta, {"a": {"wall_s": 1.0, "requests_s": 0.5},
+                                               "b": {"wall_s": 3.0, "requests_s": 2.5}})
     assert (s["turns"], s["failed_turns"], s["output_tokens"], s["output_tokens_per_s"]) == (3, 1, 30, 15.0)
     assert s["tau"] == pytest.approx(1 + 15 / 10) and s["drafts_per_turn"] == 5 and s["draft_tokens_per_turn"] == 35
     assert s["ttft_ms_median"] == 200 and s["prefix_cache_hit_rate"] == pytest.approx(0.4)
     assert s["cached_tokens_share"] == pytest.approx(0.4) and s["session_wall_s_mean"] == 2.0
+    assert s["session_wall_s_max"] == 3.0 and s["session_requests_s_mean"] == 1.5
 
 
 def _dlite_drafter(tmp_path):
@@ -149,7 +151,7 @@ def test_session_replay_none_and_dlite_identical(tmp_path):
         s = level["summary"]
         assert s["turns"] == 3 and s["failed_turns"] == 0 and s["sessions"] == 1
         for key in ("ttft_ms_median", "tpot_ms_median", "output_tokens_per_s", "prefix_cache_hit_rate",
-                    "session_wall_s_mean", "metrics_delta"):
+                    "session_wall_s_mean", "session_requests_s_mean", "metrics_delta"):
             assert s[key] is not None, key
         turns = level["turns"]
         assert [t["turn"] for t in turns] == [2, 4, 6] and [t["after"] for t in turns][1:] == ["tool", "tool"]
