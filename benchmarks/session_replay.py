@@ -352,7 +352,8 @@ def run_method(args, method: str, sessions: list[list[Turn]]) -> dict:
     from vllm_dlite.vllm.server import ServerStartError, VLLMServer
 
     try:
-        spec = speculative_config(method, args.k, getattr(args, method, None))
+        # variants named "<base>-<kind>" (e.g. dlite-adaptive) use the base method's drafter
+        spec = speculative_config(method, args.k, getattr(args, method.split("-")[0], None))
     except MethodUnavailable as exc:
         print(f"[{method}] unavailable: {exc}", flush=True)
         return {"status": "unavailable", "reason": str(exc)}
@@ -575,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         max_turns=args.max_turns or None, turns=len(lengths), prompt_tokens_min=min(lengths),
         prompt_tokens_max=max(lengths), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
-        drafters={m: getattr(args, m) for m in ("dlite", "eagle3", "dflash") if m in methods},
+        drafters={m: getattr(args, m) for m in ("dlite", "eagle3", "dflash")
+                  if any(x.split("-")[0] == m for x in methods)},
         draft_ms=DRAFT_MS_NOTE,
         command="python benchmarks/session_replay.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
