@@ -187,6 +187,28 @@ def test_engine_config_from_dict_and_cli(models):
     assert plugin.is_dlite_draft(config.speculative_config)
 
 
+def test_dlite_keeps_the_whole_prefix_cache_hit(models):
+    """No EAGLE-style last-block drop for DLite (it keeps no draft KV)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    plugin.register()
+    sc = EngineArgs(model=str(models.target), dtype="float32", max_model_len=256,
+                    speculative_config=dlite(models.drafter)).create_engine_config().speculative_config
+    assert sc.use_eagle() and not sc.use_eagle_block_drop()
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_equal_no_speculation(models, greedy):
+    """The same prompts twice with prefix caching: DLite's cache hits == no speculation's."""
+    long_prompts = [" ".join(H.PROMPTS[(i + j) % len(H.PROMPTS)] for j in range(12)) for i in range(4)]
+    hits = {}
+    for name, spec in (("none", None), ("dlite", dlite(models.drafter))):
+        run = H.run_llm(models.target, long_prompts + long_prompts, greedy, spec, max_num_seqs=4,
+                        enable_prefix_caching=True, block_size=32)
+        hits[name] = run.metrics["vllm:prefix_cache_hits"]
+    assert hits["none"] > 0 and hits["dlite"] == hits["none"], hits
+
+
 def _copy_ckpt(src: Path, dst: Path, edit=None) -> Path:
     shutil.copytree(src, dst)
     if edit is not None:

@@ -326,6 +326,10 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     out["model"] = str(directory) if Path(str(model)).exists() else model
     if out.get("num_speculative_tokens") is None:
         out["num_speculative_tokens"] = cfg.num_draft_tokens
+    # vLLM drops the last matched prefix-cache block for drafters that read the target's hidden
+    # states (EAGLE's draft KV needs it recomputed). DLite keeps no KV and drafts from the last
+    # prompt row, which vLLM always recomputes: keep the whole hit, as without speculation.
+    out.setdefault("disable_eagle_block_drop", True)
     if out.get("disable_padded_drafter_batch"):
         # parallel drafting in vLLM only supports the padded drafter batch
         raise ValueError(
