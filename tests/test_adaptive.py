@@ -224,17 +224,50 @@ def _round(ctl, req_ids, confidence, k=K, ngram=None):
     return plan, lengths
 
 
-def test_controller_free_and_expensive_drafting():
-    cheap = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": FREE, "probe_every": 0,
-                                                                      "confidence_threshold": 0.1}), K)
-    plan, lengths = _round(cheap, ["a", "b"], [0.9, 0.8, 0.5, 0.3])
+def test_controller_free_and_expensive_drafting_and_the_confidence_cut():
+    opts = {"probe_every": 0, "confidence_threshold": 0.1, "prior_acceptance": 0.6}
+    free = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": FREE, **opts}), K)
+    plan, lengths = _round(free, ["a", "b"], [0.9, 0.8, 0.5, 0.3])
     assert plan.phase == "decide" and lengths == [K, K]
-    plan, lengths = _round(cheap, ["a", "b"], [0.9, 0.05, 0.5, 0.3])  # confidence cut after one token
-    assert lengths == [1, 1]
+    # a token costs 10% of a step: with the prior acceptance (0.6 per position) two tokens pay
+    mid = AdaptiveController(AdaptiveOptions.from_dict(
+        "adaptive", {"cost_model": {"step_s": 0.01, "token_s": 0.001, "draft_s": 0.0}, **opts}), K)
+    assert _round(mid, ["a", "b"], [0.9, 0.8, 0.5, 0.3])[1] == [2, 2]
+    # the head is unsure from the second token on: low-confidence acceptance (prior 0.1) cuts there
+    assert _round(mid, ["a", "b"], [0.9, 0.05, 0.5, 0.3])[1] == [1, 1]
 
-    dear = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": EXPENSIVE, "probe_every": 0}), K)
+    dear = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": EXPENSIVE, **opts}), K)
     plan, lengths = _round(dear, ["a", "b"], [0.99] * K)
     assert plan.dlite_rows == [] and lengths == [0, 0]  # the drafter does not even run
+
+
+def test_low_confidence_acceptance_is_measured():
+    """A drafter whose unsure tokens are accepted anyway (the tests' copy drafter) is not cut."""
+    from vllm_dlite.vllm.adaptive import LowConfidenceStats, with_confidence
+
+    p = np.cumprod([0.8] * 4)
+    assert with_confidence(p, 4, 0.1).tolist() == pytest.approx(p.tolist())
+    assert with_confidence(p, 1, 0.1).tolist() == pytest.approx([0.8, 0.08, 0.008, 0.0008])
+    assert with_confidence(p, 0, 0.5).tolist() == pytest.approx([0.5, 0.25, 0.125, 0.0625])
+    low = LowConfidenceStats(prior=0.1, strength=2.0, decay=1.0)
+    assert low.alpha == pytest.approx(0.1)
+    for _ in range(10):
+        low.observe(cut=1, proposed=4, accepted=4)  # positions 2..4 proposed despite the cut, accepted
+    assert low.alpha > 0.9
+    low.observe(cut=0, proposed=4, accepted=0)  # only position 1 observed: rejected
+    assert low.alpha < 0.95
+
+    mid = {"step_s": 0.01, "token_s": 0.001, "draft_s": 0.0}
+    ctl = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": mid, "probe_every": 0,
+                                                                    "confidence_threshold": 0.1}), K)
+    unsure = [0.01] * K
+    assert _round(ctl, ["a"], unsure)[1] == [0]
+    for _ in range(20):  # whole drafts of unsure tokens keep being accepted (e.g. probe rounds)
+        ctl.begin_round(["a"], [K], [K + 1], [0])
+        ctl._pending["a"] = ("dlite", K, 0)
+    ctl.begin_round(["a"], [K], [K + 1], [0])
+    assert ctl.low_confidence.alpha > 0.8
+    assert _round(ctl, ["a"], unsure)[1][0] >= 2
 
 
 def test_controller_explores_then_probes_and_learns():

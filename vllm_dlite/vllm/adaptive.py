@@ -5,8 +5,10 @@ Two speculative methods on top of ``"dlite"`` (Model Runner V1 only; see :func:`
 * ``"dlite-adaptive"``: each round, each request proposes ``0..k`` of the drafted tokens, chosen by
   a **measured** cost model (:class:`CostModel`), the request's recent acceptance
   (:class:`AcceptanceStats`, a running mean per draft position) and the head's own confidence
-  (the sequential head's probability of the token it drafted; the draft is cut at the first
-  position below ``confidence_threshold``). When nothing is expected to be gained the request
+  (the sequential head's probability of the token it drafted; from the first position below
+  ``confidence_threshold`` on, the draft's acceptance is predicted by the MEASURED acceptance of
+  such low-confidence tokens, prior 0.1, so the cost model cuts the draft there unless this
+  drafter's low-confidence tokens do get accepted). When nothing is expected to be gained the request
   proposes 0 tokens, and when no request of the batch would gain, the drafter does not even run.
 * ``"dlite-hybrid"``: the same, plus a second source per request and per round: vLLM's own n-gram
   matcher (``vllm.v1.spec_decode.ngram_proposer.NgramProposer``, over the request's whole context:
@@ -47,8 +49,9 @@ numbers (tests, experiments).
 Decision: with ``p[i][j]`` the probability that request ``i`` accepts its first ``j+1`` drafts
 (the product of its running conditional acceptance per position), the throughput of a round that
 verifies the set ``S`` of draft tokens is ``(B + sum_S p) / (step(B, B) + c_tok |S| + draft(B))``;
-tokens are added in decreasing ``p`` (prefixes only, capped by the confidence cut) while they raise
-it. Speculation happens only when the best rate beats no speculation, ``B / step(B, B)``, by
+tokens are added in decreasing ``p`` (prefixes only; past the confidence cut ``p`` uses the
+low-confidence acceptance) while they raise it. Explore and probe-on rounds propose whole drafts,
+which is where the low-confidence acceptance is measured. Speculation happens only when the best rate beats no speculation, ``B / step(B, B)``, by
 ``min_gain``; otherwise every request proposes 0 tokens.
 
 Lossless: the proposer only shortens (or sources) drafts; vLLM's rejection sampler verifies them
@@ -229,6 +232,34 @@ class AcceptanceStats:
 
     def forget(self, req_id: str) -> None:
         self._req.pop(req_id, None)
+
+
+class LowConfidenceStats:
+    """Measured conditional acceptance of draft tokens at or after the first position whose head
+    probability is below the threshold (all requests; prior ``prior`` with ``strength``)."""
+
+    def __init__(self, prior: float = 0.1, strength: float = 2.0, decay: float = 0.98):
+        self.prior, self.strength, self.decay = prior, strength, decay
+        self.acc = self.n = 0.0
+
+    def observe(self, cut: int, proposed: int, accepted: int) -> None:
+        for j in range(cut, min(accepted + 1, proposed)):
+            self.acc = self.acc * self.decay + (1.0 if j < accepted else 0.0)
+            self.n = self.n * self.decay + 1.0
+
+    @property
+    def alpha(self) -> float:
+        return (self.acc + self.strength * self.prior) / (self.n + self.strength)
+
+
+def with_confidence(p: np.ndarray, cut: int, low_alpha: float) -> np.ndarray:
+    """``p`` (cumulative acceptance) with the conditional acceptance from position ``cut`` on
+    replaced by ``low_alpha``."""
+    out = np.array(p, dtype=float)
+    if cut < len(out):
+        start = out[cut - 1] if cut > 0 else 1.0
+        out[cut:] = start * low_alpha ** np.arange(1, len(out) - cut + 1)
+    return out
 
 
 # =========================================================================== cost model
@@ -429,12 +460,15 @@ class AdaptiveController:
         self.round = 0
         self.speculating = True  # the last decision
         self._last_end: Optional[float] = None
-        self._pending: dict[str, tuple[str, int]] = {}  # req_id -> (source, proposed) of last round
+        self._pending: dict[str, tuple[str, int, int]] = {}  # req_id -> (source, proposed, cut)
+        self.low_confidence = LowConfidenceStats(0.1, options.prior_strength, options.global_decay)
+        self._cuts: dict[int, int] = {}  # row -> confidence cut of this round's DLite drafts
         self.requests: dict[str, RequestCounters] = {}
         self.finished: dict[str, dict] = {}  # req_id -> counters (bounded)
         self.totals = {s: SourceCounters() for s in SOURCES}
         self.rounds_by_phase: dict[str, int] = {}
         self.num_finished = 0
+        self._last_batch = 1
 
     @property
     def adaptive_length(self) -> bool:
@@ -448,6 +482,7 @@ class AdaptiveController:
         drafts were verified and ``num_rejected[i]`` rejected (None: no request had drafts); the
         step's wall time goes to the cost model when every request was decoding."""
         now = self.clock() if now is None else now
+        self._last_batch = max(1, len(req_ids))
         decode_only = all(q == 1 + d for q, d in zip(query_lens, scheduled_drafts)) and len(query_lens) > 0
         if self._last_end is not None and decode_only:
             seconds = now - self._last_end
@@ -467,6 +502,8 @@ class AdaptiveController:
                 continue
             accepted = max(0, k - int(num_rejected[i]))
             self.acceptance.observe(req_id, source, k, accepted)
+            if source == "dlite" and pending[2] < k:
+                self.low_confidence.observe(pending[2], k, accepted)
             counters.sources[source].add(k, accepted)
             self.totals[source].add(k, accepted)
         if live_req_ids is not None:
@@ -477,7 +514,7 @@ class AdaptiveController:
         o = self.options
         if o.cost_model is None and self.round < o.explore_rounds:
             return "explore-on" if self.round % 2 else "explore-off"
-        if not self.cost.ready:
+        if not self.cost.ready and self.round < 4 * max(o.explore_rounds, 1):
             return "explore-on"
         if o.probe_every and self.round % o.probe_every == o.probe_every - 1:
             return "probe-on" if not self.speculating else "probe-off"
@@ -524,13 +561,16 @@ class AdaptiveController:
         n = len(req_ids)
         caps, p = [0] * n, [np.zeros(0)] * n
         thr = self.options.confidence_threshold if self.adaptive_length else 0.0
+        self._cuts = {}
         for i, req_id in enumerate(req_ids):
             if i in plan.ngram:
                 caps[i] = len(plan.ngram[i])
                 p[i] = self.acceptance.cumulative(req_id, "ngram")
             elif i in dlite_confidence:
-                caps[i] = min(k, confidence_cut(dlite_confidence[i], thr))
-                p[i] = self.acceptance.cumulative(req_id, "dlite")
+                caps[i] = min(k, len(dlite_confidence[i]))
+                self._cuts[i] = confidence_cut(dlite_confidence[i], thr)
+                p[i] = with_confidence(self.acceptance.cumulative(req_id, "dlite"), self._cuts[i],
+                                       self.low_confidence.alpha)
         if plan.phase in ("fixed", "explore-on", "probe-on"):
             lengths = caps
             self.speculating = plan.phase == "fixed" or self.speculating
@@ -547,11 +587,11 @@ class AdaptiveController:
                   lengths: Sequence[int], phase: str, draft_batch: int, draft_seconds: Optional[float],
                   now: Optional[float] = None) -> None:
         """Remember what each request proposed (attributed at the next ``begin_round``)."""
-        for req_id, source, length in zip(req_ids, sources, lengths):
+        for i, (req_id, source, length) in enumerate(zip(req_ids, sources, lengths)):
             if length > 0 and source is not None:
-                self._pending[req_id] = (source, int(length))
+                self._pending[req_id] = (source, int(length), self._cuts.get(i, int(length)))
             else:
-                self._pending[req_id] = ("none", 0)
+                self._pending[req_id] = ("none", 0, 0)
         if draft_seconds is not None and draft_batch > 0:
             self.cost.observe_draft(draft_batch, draft_seconds)
         self.rounds_by_phase[phase] = self.rounds_by_phase.get(phase, 0) + 1
@@ -593,7 +633,8 @@ class AdaptiveController:
         per_request.update({r: c.as_dict() for r, c in self.requests.items()})
         return {"mode": self.options.mode, "rounds": self.round, "rounds_by_phase": dict(self.rounds_by_phase),
                 "totals": {s: vars(c).copy() for s, c in self.totals.items()},
-                "requests": per_request, "cost_model": self.cost.summary(),
+                "low_confidence_acceptance": self.low_confidence.alpha,
+                "requests": per_request, "cost_model": self.cost.summary(self._last_batch),
                 "options": self.options.to_dict()}
 
 
@@ -617,6 +658,7 @@ def collect_stats(llm) -> Optional[dict]:
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY", "AcceptanceStats", "AdaptiveController", "AdaptiveOptions", "CostModel",
+    "LowConfidenceStats", "with_confidence",
     "METHOD_MODES", "OPTIONS_KEY", "Plan", "check_runner", "choose_lengths", "choose_source",
     "collect_stats", "confidence_cut", "options_from_vllm_config",
 ]
