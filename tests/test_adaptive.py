@@ -109,6 +109,8 @@ def test_check_runner():
         check_runner(opts, "v2")
     with pytest.raises(ValueError, match="--no-async-scheduling"):
         check_runner(opts, "v1", async_scheduling=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        check_runner(opts, "v1", tensor_parallel_size=2)
 
 
 # =========================================================================== cost model

@@ -158,12 +158,15 @@ def options_from_vllm_config(vllm_config: Any) -> Optional[AdaptiveOptions]:
     return AdaptiveOptions.from_dict(raw.pop("mode"), raw)
 
 
-def check_runner(options: Optional[AdaptiveOptions], where: str, async_scheduling: bool = False) -> None:
+def check_runner(options: Optional[AdaptiveOptions], where: str, async_scheduling: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
     """Refuse what the adaptive methods cannot run on, with the fix (config/start-up time).
 
     Model Runner V2 (``where="v2"``): its speculator hands vLLM a fixed ``[B, k]`` draft tensor;
     per-request lengths are not possible there, so the methods fail instead of silently running
-    fixed K. V1 with async scheduling: the runner then expects draft tensors, not lists."""
+    fixed K. V1 with async scheduling: the runner then expects draft tensors, not lists. Tensor
+    parallelism: every rank would decide from its own clock, and ranks must agree on the draft
+    probabilities used in rejection sampling."""
     if options is None:
         return
     method = next(m for m, mode in METHOD_MODES.items() if mode == options.mode)
@@ -172,6 +175,11 @@ def check_runner(options: Optional[AdaptiveOptions], where: str, async_schedulin
             f"'method': '{method}' chooses a draft length per request, which vLLM's Model Runner V2 "
             "(the GPU default) cannot take: set VLLM_USE_V2_MODEL_RUNNER=0 to serve it with Model "
             "Runner V1, or use 'method': 'dlite' (fixed k)")
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"'method': '{method}' decides per rank from measured timings, so tensor-parallel ranks "
+            "could disagree: use tensor_parallel_size=1, or 'method': 'dlite' (fixed k) with tensor "
+            "parallelism")
     if async_scheduling:
         raise ValueError(
             f"'method': '{method}' hands vLLM per-request draft lists, which Model Runner V1 accepts "

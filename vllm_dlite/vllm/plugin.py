@@ -19,6 +19,9 @@ configs. It is idempotent and does five things:
    against the target (earliest point: before any model is loaded) and maps ``method`` to
    vLLM's parallel-drafting path ``"dflash"``; the DLite checkpoint's architecture is what later
    selects the DLite proposer, so ``{"method": "dflash", "model": <dlite dir>}`` works too.
+   ``"dlite-adaptive"`` / ``"dlite-hybrid"`` (:mod:`vllm_dlite.vllm.adaptive`) map the same way;
+   their ``"dlite_options"`` are validated here and reach the workers in
+   ``VllmConfig.additional_config["dlite_drafting"]`` (Model Runner V1 only; V2 refuses them).
 4. **Runner hooks** (installed when the runner module is imported, so the front end does not pay
    for importing worker code):
 

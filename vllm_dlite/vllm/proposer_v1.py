@@ -73,7 +73,8 @@ class DLiteProposer(DFlashProposer):
         self.inputs_embeds = torch.empty(0, self.inputs_embeds_size, dtype=self.dtype, device=device)
         # dlite-adaptive / dlite-hybrid (None: plain dlite, fixed k)
         options = options_from_vllm_config(vllm_config)
-        check_runner(options, "v1", bool(getattr(runner, "use_async_scheduling", False)))
+        check_runner(options, "v1", bool(getattr(runner, "use_async_scheduling", False)),
+                     vllm_config.parallel_config.tensor_parallel_size)
         self.controller: Optional[AdaptiveController] = None
         self.ngram = None
         if options is not None:
