@@ -1352,6 +1352,12 @@ def _readme(report: dict[str, Any], dlite: DLiteConfig) -> str:
         f"{loss.get('stable_ce_weight')} * CE + {loss.get('stable_tv_weight')} * |q - p|_1 with p "
         "the target's teacher-forced distribution. Transition: hard switch; the head is "
         "unfrozen at the start of stable (fresh AdamW, LR re-warm-up).",
+        f"- Head initialisation (`model.head_init`): {(cfg.get('model') or {}).get('head_init', 'random')}"
+        " (target_svd: the head of the model trained from scratch starts at the target lm_head's "
+        "rank-r truncated SVD; the authors' initialisation is not published).",
+        f"- Optimizer: AdamW lr {(cfg.get('optim') or {}).get('lr')}, warm-up "
+        f"{(cfg.get('optim') or {}).get('warmup_ratio')} then cosine to "
+        f"{(cfg.get('optim') or {}).get('min_lr_ratio')} x lr, per stage; fp32.",
         "",
         "| stage | epochs | optimizer steps | wall s |",
         "| --- | --- | --- | --- |",
@@ -1387,6 +1393,8 @@ def _readme(report: dict[str, Any], dlite: DLiteConfig) -> str:
         for kind, v in list(ev.get("per_kind", {}).items()) + [("all", ev["overall"])]:
             acc = " ".join(f"{a:.2f}" for a in (v.get("acceptance_rate_per_position") or []))
             lines.append(f"| {kind} | {v.get('requests')} | {v.get('rounds')} | {v.get('tau')} | {acc} |")
+    if report.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
     lines += [
         "",
         "Serve with vLLM: `--speculative-config '{\"method\": \"dlite\", "
