@@ -41,9 +41,10 @@ round. :class:`CostModel` fits, by exponentially weighted least squares over the
 * ``draft(B) = d0 + d1 * B``: the wall time of the drafting itself (``propose``'s own body).
 
 It is identified by its own traffic: the first ``explore_rounds`` rounds alternate "propose
-nothing" and "propose everything the head is confident about", and afterwards one round in
-``probe_every`` does the opposite of the current decision (a probe, so that neither the cost
-model nor the acceptance means go stale). ``cost_model`` in the options replaces the fit by fixed
+nothing" and "propose whole drafts", and afterwards a round does the opposite of the current
+decision after ``probe_every`` rounds (a probe, so that neither the cost model nor the acceptance
+means go stale); the interval doubles while probes confirm the decision (up to 16x) and resets
+when the decision flips, so a steady "off" costs less than 1/(16 probe_every) of a draft round. ``cost_model`` in the options replaces the fit by fixed
 numbers (tests, experiments).
 
 Decision: with ``p[i][j]`` the probability that request ``i`` accepts its first ``j+1`` drafts
@@ -88,7 +89,8 @@ class AdaptiveOptions:
     confidence_threshold: float = 0.05  # cut the draft at the first head probability below this
     min_gain: float = 0.02  # speculate only when the predicted rate beats no speculation by this
     explore_rounds: int = 6  # first rounds: alternate "nothing" / "everything confident"
-    probe_every: int = 32  # one round in this many does the opposite of the decision (0: never)
+    probe_every: int = 32  # a round does the opposite of the decision after this many (doubling while
+    # the probes confirm it, up to 16x; 0: never)
     window: int = 64  # cost-model observations kept
     cost_decay: float = 0.97  # weight of an observation per newer one
     prior_acceptance: float = 0.6  # conditional acceptance per position before any evidence
@@ -314,6 +316,8 @@ class CostModel:
         self._step = _WeightedFit(2, window, decay)  # x = (B, N - B)
         self._draft = _WeightedFit(1, window, decay)  # x = (B,)
         self._saw_plain = self._saw_drafts = False
+        self._step_count = 0
+        self._typical: Optional[tuple[int, float]] = None
 
     # ---------------------------------------------------------------- observations
     def observe_step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
@@ -321,6 +325,7 @@ class CostModel:
         self._saw_plain |= drafts == 0
         self._saw_drafts |= drafts > 0
         self._step.add((batch_size, drafts), seconds)
+        self._step_count += 1
 
     def observe_draft(self, batch_size: int, seconds: float) -> None:
         self._draft.add((batch_size,), seconds)
@@ -331,7 +336,13 @@ class CostModel:
         return self.fixed is not None or (self._saw_plain and self._saw_drafts and len(self._draft) > 0)
 
     def typical_step_seconds(self) -> Optional[float]:
-        return float(np.median(self._step.y)) if len(self._step) else None
+        """Median verify step of the window (recomputed every 8 observations: it runs each round)."""
+        n = len(self._step)
+        if not n:
+            return None
+        if self._typical is None or self._typical[0] + 8 <= self._step_count or n < 8:
+            self._typical = (self._step_count, float(np.median(self._step.y)))
+        return self._typical[1]
 
     # ---------------------------------------------------------------- predictions
     def step_seconds(self, batch_size: int, num_tokens: Optional[int] = None) -> float:
@@ -467,6 +478,8 @@ class AdaptiveController:
                                           options.request_decay, options.global_decay)
         self.round = 0
         self.speculating = True  # the last decision
+        self._last_probe = 0
+        self._probe_interval = options.probe_every
         self._last_end: Optional[float] = None
         self._pending: dict[str, tuple[str, int, int]] = {}  # req_id -> (source, proposed, cut)
         self.low_confidence = LowConfidenceStats(0.1, options.prior_strength, options.global_decay)
@@ -524,7 +537,11 @@ class AdaptiveController:
             return "explore-on" if self.round % 2 else "explore-off"
         if not self.cost.ready and self.round < 4 * max(o.explore_rounds, 1):
             return "explore-on"
-        if o.probe_every and self.round % o.probe_every == o.probe_every - 1:
+        if o.probe_every and self.round - self._last_probe >= self._probe_interval:
+            # a probe that confirms the decision doubles the interval (up to 16x probe_every);
+            # a decision that flips resets it (see select)
+            self._last_probe = self.round
+            self._probe_interval = min(2 * self._probe_interval, 16 * o.probe_every)
             return "probe-on" if not self.speculating else "probe-off"
         return "decide"
 
@@ -588,6 +605,8 @@ class AdaptiveController:
             choice = choose_lengths(p, caps, self.cost, n, self.options.min_gain,
                                     with_draft=bool(dlite_confidence))
             lengths = choice.lengths
+            if choice.speculate != self.speculating:
+                self._probe_interval = self.options.probe_every
             self.speculating = choice.speculate
         return lengths
 
