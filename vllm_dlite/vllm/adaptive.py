@@ -55,6 +55,13 @@ low-confidence acceptance) while they raise it. Explore and probe-on rounds prop
 which is where the low-confidence acceptance is measured. Speculation happens only when the best rate beats no speculation, ``B / step(B, B)``, by
 ``min_gain``; otherwise every request proposes 0 tokens.
 
+Not the default: ``"dlite"`` stays fixed-k. The adaptive methods need Model Runner V1 without async
+scheduling and without tensor parallelism (per-request lists, per-rank timed decisions), while
+vLLM's GPU default is V2 with async scheduling; their online cost model spends its first rounds
+exploring, which short runs notice; and even with every draft turned off a speculative engine pays
+vLLM's own per-step overhead (aux hidden states, rejection sampler, padded-batch preparation:
+~12% of a 7 ms step of the tiny CPU target), so "never costs" means "costs at most that floor".
+
 Lossless: the proposer only shortens (or sources) drafts; vLLM's rejection sampler verifies them
 as always. With ``draft_sample_method: "probabilistic"`` the n-gram rows carry one-hot draft
 probabilities (exact for a deterministic proposal).
