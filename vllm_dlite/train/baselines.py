@@ -30,7 +30,7 @@ Pipeline (``python -m vllm_dlite.train.baselines --method eagle3|dflash|dspark .
    ``LLM(target, speculative_config={"method": "eagle3"|"dflash", "model": out,
    "num_speculative_tokens": 7})`` loads it unchanged.
 
-Layer ids (all in vLLM's aux-id convention, DESIGN.md section 2: id ``i`` = residual stream after
+Layer ids (all in vLLM's aux-id convention, docs/design.md §2: id ``i`` = residual stream after
 ``i`` decoder layers, pre-norm; 0 = embeddings, N = after the last layer, before the final norm):
 
 * speculators' ``--target-layer-ids`` ARE vLLM aux ids: EAGLE-3 stores them as
@@ -41,9 +41,10 @@ Layer ids (all in vLLM's aux-id convention, DESIGN.md section 2: id ``i`` = resi
   verifier's pre-norm last hidden state (teacher logits = ``lm_head(norm(h_N))``). The backend
   below always appends id N, so N may also be an aux id (DFlash uses it, as DLite does).
 * Defaults for an N-layer target: EAGLE-3 ``[2, N//2, N-1]`` (low/mid/high, N=12: ``[2, 6, 11]``);
-  DFlash/DSpark: DLite's selection ``select_target_layers(N, 6)`` (N=12: ``[1, 3, 5, 8, 10, 12]``).
+  DFlash/DSpark: six evenly spaced aux ids ``round(linspace(1, N, 6))`` (N=12: ``[1, 3, 5, 8, 10, 12]``;
+  the shipped baselines were trained with these).
 
-Sizes (fair-comparison rule, DESIGN.md section 1): EAGLE-3 one decoder layer, DFlash/DSpark
+Sizes (fair-comparison rule, docs/design.md §8): EAGLE-3 one decoder layer, DFlash/DSpark
 ``--num-layers 2`` (DLite's depth), width = target width, K = 7 speculative tokens: EAGLE-3
 ``ttt_steps = 7``; DFlash ``block_size = 8`` (anchor + 7 masks, the anchor is the bonus token);
 DSpark ``block_size = 7`` with ``sample_from_anchor`` (its default; 7 positions predict 7 tokens,
@@ -78,16 +79,25 @@ SHARED_TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
 
 # =========================================================================== layer ids
+def evenly_spaced_aux_ids(num_target_layers: int, count: int) -> list[int]:
+    """``count`` vLLM aux ids among ``1..N``: ``round(linspace(1, N, count))`` on exact fractions
+    (Python's round, half to even), de-duplicated; ``count == 1`` gives ``[N]``."""
+    from fractions import Fraction
+
+    if count == 1:
+        return [num_target_layers]
+    step = Fraction(num_target_layers - 1, count - 1)
+    return sorted({round(1 + i * step) for i in range(count)})
+
+
 def default_layer_ids(method: str, num_target_layers: int) -> list[int]:
     """Default vLLM aux ids for ``method`` on an N-layer target (see the module docstring)."""
-    from vllm_dlite.config import select_target_layers
-
     n = num_target_layers
     if method == "eagle3":
-        ids = sorted({2, n // 2, n - 1}) if n >= 6 else select_target_layers(n, min(3, n))
+        ids = sorted({2, n // 2, n - 1}) if n >= 6 else evenly_spaced_aux_ids(n, min(3, n))
         return ids
     if method in ("dflash", "dspark"):
-        return select_target_layers(n, min(6, n))
+        return evenly_spaced_aux_ids(n, min(6, n))
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
 
 
@@ -537,7 +547,7 @@ def speculators_argv(r: BaselineRecipe) -> list[str]:
         "--on-missing", "raise",
     ]
     if not torch.accelerator.is_available():
-        # CPU-safe settings (DESIGN.md section 4): no flex-attention backward and no fused
+        # CPU-safe settings (docs/design.md §8): no flex-attention backward and no fused
         # (Triton) loss on CPU, no spawned loader workers; fp32 compute (CPU autocast is bf16-only)
         argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
                  "--num-workers", "0", "--hidden-states-dtype", "float32"]
