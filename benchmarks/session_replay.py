@@ -242,18 +242,11 @@ async def stream_turn(http, url: str, body: dict) -> dict:
 
 
 async def get_metrics(http, base_url: str) -> dict:
-    """``/metrics`` summed over label sets (the parsing of ``VLLMServer.metrics``)."""
+    """``/metrics`` summed over label sets (``vllm_dlite.vllm.server.parse_metrics``)."""
+    from vllm_dlite.vllm.server import parse_metrics
+
     async with http.get(base_url + "/metrics") as resp:
-        text = await resp.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split("{")[0].split(" ")[0], line.rsplit(" ", 1)[1]
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                pass
-    return out
+        return parse_metrics(await resp.text())
 
 
 async def settled_metrics(http, base_url: str, finished: float, timeout_s: float = 30) -> dict:

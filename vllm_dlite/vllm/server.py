@@ -40,6 +40,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text (vLLM's ``/metrics``) as ``{name: value}``, summed over label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split(" ")[0], line.rsplit(" ", 1)[1]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                pass
+    return out
+
+
 class VLLMServer:
     def __init__(self, model: str | Path, *flags: str, env: Optional[dict] = None, timeout_s: float = 600,
                  log_path: Optional[Path] = None, cwd: Optional[Path] = None):
@@ -109,16 +122,7 @@ class VLLMServer:
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` (Prometheus text) as ``{name: value}``, summed over label sets."""
-        text = urllib.request.urlopen(self.base_url + "/metrics", timeout=10).read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.split("{")[0].split(" ")[0], line.rsplit(" ", 1)[1]
-                try:
-                    out[name] = out.get(name, 0.0) + float(value)
-                except ValueError:
-                    pass
-        return out
+        return parse_metrics(urllib.request.urlopen(self.base_url + "/metrics", timeout=10).read().decode())
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
