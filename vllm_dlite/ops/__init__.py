@@ -13,8 +13,6 @@ from vllm_dlite.ops.reference import (
     apply_rope,
     rope_cos_sin,
     rotate_half,
-    head_readout,
-    head_state_update,
     sequential_head_teacher_forced,
 )
 from vllm_dlite.ops.dispatch import backend_report, draft_attention, sequential_head
