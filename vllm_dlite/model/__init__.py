@@ -9,7 +9,7 @@ from vllm_dlite.model.checkpoint import (
     resolve_checkpoint_dir,
     save_pretrained,
 )
-from vllm_dlite.model.drafter import DLiteDrafter, DraftOutput, split_by_group_len
+from vllm_dlite.model.drafter import DLiteDrafter, DraftOutput
 
 __all__ = [
     "CheckpointError",
@@ -20,5 +20,4 @@ __all__ = [
     "read_checkpoint_config",
     "resolve_checkpoint_dir",
     "save_pretrained",
-    "split_by_group_len",
 ]

@@ -24,7 +24,7 @@ the mask slots) and its final norm (for the last feature) are shared: :meth:`bin
 Contract:
 * No state between calls: a draft depends only on its request's ``(features, group tokens)``.
 * ``group_ids [b, g]`` are the real tokens ``x_{a-g+1}..x_a`` (anchor last); all rows of one call
-  share g (:func:`split_by_group_len` groups a ragged batch). With G > 1, ``x_{a-1}`` also primes
+  share g (the vLLM draft model groups a ragged batch by g). With G > 1, ``x_{a-1}`` also primes
   the head, so g >= 2 is required (a >= 1 always holds after a prompt of >= 1 token).
 * Everything runs in the module's dtype (bf16 for the authors' checkpoints, fp32 on CPU); logits
   are returned as fp32. Features may arrive in any float dtype.
@@ -143,11 +143,6 @@ class SequentialHead(nn.Module):
         """The head's weights in :func:`vllm_dlite.ops.sequential_head` argument order."""
         return (self.prev_token_embedding.weight, self.state_proj.weight, self.state_proj.bias,
                 self.state_hidden_mlp.weight, self.state_hidden_mlp.bias, self.output_proj.weight)
-
-
-def split_by_group_len(group_lens: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """Rows of a ragged batch grouped by their number of real tokens g: ``[(g, row_idx)]``."""
-    return [(int(g), (group_lens == g).nonzero().squeeze(-1)) for g in torch.unique(group_lens).tolist()]
 
 
 # =========================================================================== the drafter
@@ -321,5 +316,4 @@ __all__ = [
     "SequentialHead",
     "SwiGLU",
     "rms_norm",
-    "split_by_group_len",
 ]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dlite.config import GREEDY_EPS
-from vllm_dlite.model import DLiteDrafter, load_drafter, resolve_checkpoint_dir, split_by_group_len
+from vllm_dlite.model import DLiteDrafter, load_drafter, resolve_checkpoint_dir
 
 
 class DFlashDLiteDraftModel(nn.Module):
@@ -130,19 +130,17 @@ class DFlashDLiteDraftModel(nn.Module):
             out = self.drafter.draft(features, group_ids, temperature=0.0 if temps is None else float(temps[0]),
                                      num_steps=k)
             return out.token_ids, (out.logits if return_logits else None)
-        lens = torch.full((b,), group_ids.shape[1]) if group_lens is None else group_lens.cpu()
-        key = lens.double() * 1e6 + (torch.zeros(b) if temps is None else temps.double())
+        lens = [group_ids.shape[1]] * b if group_lens is None else group_lens.tolist()
+        row_keys = list(zip(lens, [0.0] * b if temps is None else temps.tolist()))  # (g, T) per row
         ids = torch.empty(b, k, dtype=torch.long, device=group_ids.device)
         logits = torch.empty(b, k, cfg.vocab_size, dtype=torch.float32, device=group_ids.device) if return_logits else None
-        for _, rows in split_by_group_len(key):
-            r0 = int(rows[0])
-            g, temp = int(lens[r0]), (0.0 if temps is None else float(temps[r0]))
-            rows_dev = rows.to(group_ids.device)
-            out = self.drafter.draft(features[rows_dev], group_ids[rows_dev, group_ids.shape[1] - g:],
+        for g, temp in sorted(set(row_keys)):
+            rows = torch.tensor([i for i, key in enumerate(row_keys) if key == (g, temp)], device=group_ids.device)
+            out = self.drafter.draft(features[rows], group_ids[rows, group_ids.shape[1] - g:],
                                      temperature=temp, num_steps=k)
-            ids[rows_dev] = out.token_ids
+            ids[rows] = out.token_ids
             if logits is not None:
-                logits[rows_dev] = out.logits
+                logits[rows] = out.logits
         return ids, logits
 
     # ------------------------------------------------------------------ vLLM model interface
