@@ -1,7 +1,7 @@
 # Every command runs in the project virtualenv .venv, built by scripts/setup_env.sh (idempotent).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast workloads target drafter
+.PHONY: setup demo test test-fast workloads target target-long drafter
 setup:
 	bash scripts/setup_env.sh
 
@@ -19,9 +19,13 @@ workloads: setup               ## regenerate the shipped held-out workload files
 	  $(PY) -m vllm_dlite.workloads.generator --kind $${k%%:*} --split heldout -n $${k##*:} --seed 1 \
 	    --out benchmarks/workloads/heldout_$${k%%:*}.jsonl; done
 
-target: setup                  ## retrain the tiny target on this machine (~50 min on 2 cores; the shipped one: scripts/gpu_session.sh)
+target: setup                  ## retrain the tiny target on this machine (~50 min + 50 min on 2 cores; the shipped one: scripts/gpu_session.sh)
 	$(PY) -m vllm_dlite.target.train --out models/qwen3-tiny-stdlib
 	$(PY) -m vllm_dlite.target.sft --target models/qwen3-tiny-stdlib
+	$(MAKE) target-long
+
+target-long: setup             ## the target's long-context stage alone, from the shipped weights (50 min on 2 cores; resumable)
+	$(PY) -m vllm_dlite.target.long --target models/qwen3-tiny-stdlib --time-budget-s 3000
 
 drafter: setup                 ## retrain the shipped DLite drafter (configs/dlite-tiny.yaml)
 	bash scripts/train_drafter_tiny.sh

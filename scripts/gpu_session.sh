@@ -5,9 +5,10 @@
 #
 # 1. csrc/ kernels: JIT build, correctness against the PyTorch reference, timings at Qwen3-8B
 #    shapes (benchmarks/gpu_kernels.py; writes gpu_kernels.{json,md}).
-# 2. the tiny target recipe on the GPU in the time that is left: pre-training, then SFT, both
-#    with wall-clock budgets (vllm_dlite.target.train / .sft --device cuda --time-budget-s),
-#    starting from the cached tokenized corpus in data/ (made on the CPU by the same recipe).
+# 2. the tiny target recipe on the GPU in the time that is left: pre-training, SFT, then whole
+#    agent sessions up to 30k tokens, each with a wall-clock budget (vllm_dlite.target.train /
+#    .sft / .long --device cuda --time-budget-s), starting from the cached tokenized corpus in
+#    data/ (made on the CPU by the same recipe). GPU_SESSION_KERNELS=0 skips step 1.
 #    The result comes back as target.tar (split into < 16 MB parts).
 # Needs the machine's own python3 with torch + transformers; vLLM is not required.
 set -u
@@ -19,13 +20,13 @@ DEADLINE=$((START + ${GPU_SESSION_SECONDS:-550}))
 nvidia-smi -L; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 echo "== kernels"
-timeout 280 python3 benchmarks/gpu_kernels.py --out "$OUT_DIR" > "$OUT_DIR/kernels.log" 2>&1
+[ "${GPU_SESSION_KERNELS:-1}" = 0 ] || timeout 280 python3 benchmarks/gpu_kernels.py --out "$OUT_DIR" > "$OUT_DIR/kernels.log" 2>&1
 echo "kernels rc $? after $(( $(date +%s) - START )) s"; tail -n 40 "$OUT_DIR/kernels.log"
 
 echo "== target"
 left=$((DEADLINE - $(date +%s) - 60))  # 60 s: two model loads, held-out loss, saving, packing
 if [ "$left" -lt 60 ]; then echo "no time left for the target ($left s)"; exit 0; fi
-pre=$((left * 60 / 100)); sft=$((left * 40 / 100 - 20))
+pre=$((left * 50 / 100)); sft=$((left * 25 / 100 - 10)); long=$((left * 25 / 100 - 30))
 TGT=/tmp/qwen3-tiny-stdlib
 rm -rf "$TGT"; mkdir -p "$TGT"
 cp models/qwen3-tiny-stdlib/{tokenizer.json,tokenizer_config.json,chat_template.jinja} "$TGT"/
@@ -35,6 +36,9 @@ echo "pretrain rc $? after $(( $(date +%s) - START )) s"
 python3 -m vllm_dlite.target.sft --target "$TGT" --device cuda --time-budget-s "$sft" \
     --batch-size 32 --window 1024 >> "$OUT_DIR/target.log" 2>&1
 echo "sft rc $? after $(( $(date +%s) - START )) s"
+python3 -m vllm_dlite.target.long --target "$TGT" --device cuda --time-budget-s "$long" \
+    --state /tmp/target-long-state.pt >> "$OUT_DIR/target.log" 2>&1
+echo "long rc $? after $(( $(date +%s) - START )) s"
 grep -E "^\[(corpus|model)\]|heldout|step [0-9]*0 " "$OUT_DIR/target.log" | tail -n 30
 tar -C /tmp -cf /tmp/target.tar qwen3-tiny-stdlib
 split -b 15M /tmp/target.tar "$OUT_DIR/target.tar.part-"

@@ -1,11 +1,21 @@
-"""Evaluate the tiny target on held-out agentic turns: well-formed tool calls and samples.
+"""Evaluate the tiny target on held-out agentic turns, per prompt-length bucket.
 
-    .venv/bin/python -m vllm_dlite.target.evaluate --target models/qwen3-tiny-stdlib
+    .venv/bin/python -m vllm_dlite.target.evaluate --target models/qwen3-tiny-stdlib \\
+        --out models/qwen3-tiny-stdlib/eval_heldout_agentic.json
 
-A reply is a *well-formed tool call* when it contains ``<tool_call>\\n{json}\\n</tool_call>`` blocks
-(the markup of the chat template, parsed the way vLLM's hermes tool parser does), each JSON object
-naming a tool of the session with an ``arguments`` object holding every required parameter.
-Only turns whose reference reply is a tool call are scored. Greedy decoding in vLLM (fp32).
+Per bucket of prompt tokens (``BUCKETS``: 0-2k, 2k-4k, 4k-8k, 8k-16k, 16k-32k):
+
+* ``well_formed_tool_calls``: among turns whose reference reply is a tool call, the share of greedy
+  replies holding ``<tool_call>\\n{json}\\n</tool_call>`` blocks (the chat template's markup, parsed
+  as vLLM's hermes tool parser does), each naming a tool of the session with an ``arguments``
+  object that has every required parameter;
+* ``same_tool_as_reference``: the first call names the reference's tool;
+* ``mean_output_tokens`` and ``short_endings`` (replies of <= 2 tokens, the failure mode of a
+  target that does not cope with long inputs), over the same turns;
+* ``heldout_assistant_ce``: next-token cross-entropy on the reference assistant tokens of every
+  turn in the bucket (teacher forcing over the whole session in HF transformers, fp32).
+
+Greedy decoding in vLLM (fp32, prefix caching on: turns of one session share their prefix).
 """
 
 from __future__ import annotations
@@ -17,6 +27,12 @@ import re
 import sys
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+BUCKETS = ((0, 2048, "0-2k"), (2048, 4096, "2k-4k"), (4096, 8192, "4k-8k"),
+           (8192, 16384, "8k-16k"), (16384, 32768, "16k-32k"))
+
+
+def bucket_of(prompt_tokens: int) -> str | None:
+    return next((name for lo, hi, name in BUCKETS if lo <= prompt_tokens < hi), None)
 
 
 def well_formed_tool_calls(text: str, tools: list[dict]) -> bool:
@@ -37,16 +53,54 @@ def well_formed_tool_calls(text: str, tools: list[dict]) -> bool:
     return True
 
 
+def first_tool_name(text: str) -> str | None:
+    """The tool named by the reply's first call (None when the reply is not a well-formed call)."""
+    m = TOOL_CALL_RE.search(text)
+    return json.loads(m.group(1))["name"] if m else None
+
+
+def assistant_ce_by_bucket(target: str, sessions: list[dict], max_tokens: int) -> dict[str, dict]:
+    """Teacher-forced CE on each session's assistant tokens, grouped by the bucket of the prompt
+    before each assistant turn. Sessions are truncated to ``max_tokens``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..workloads.replay import chat_token_ids
+    from .sft import assistant_spans
+
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    sums: dict[str, list[float]] = {}
+    for s in sessions:
+        ids = chat_token_ids(tok, s["messages"], s["tools"], add_generation_prompt=False)[:max_tokens]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[:-1]])).logits[0]
+        ce = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+        for start, stop in assistant_spans(ids, header, end_id):
+            name = bucket_of(start)
+            if name is None or stop > len(ids):
+                continue
+            acc = sums.setdefault(name, [0.0, 0])
+            acc[0] += float(ce[start - 1: stop - 1].sum())  # logits at t predict token t + 1
+            acc[1] += stop - start
+    return {name: {"heldout_assistant_ce": round(total / n, 4), "assistant_tokens": n}
+            for name, (total, n) in sums.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/qwen3-tiny-stdlib")
     ap.add_argument("--workload", default="benchmarks/workloads/heldout_agentic.jsonl")
-    ap.add_argument("--max-prompt-tokens", type=int, default=16384)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--samples", type=int, default=3, help="sample replies to print")
+    ap.add_argument("--max-prompt-tokens", type=int, default=30000,
+                    help="skip later turns of a session once its prompt is longer (the target's window is 32k)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-loss", action="store_true", help="skip the teacher-forced held-out CE (HF, slow)")
+    ap.add_argument("--samples", type=int, default=1, help="sample replies to keep per bucket")
     ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "8")
 
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -55,32 +109,61 @@ def main(argv: list[str] | None = None) -> None:
     from ..workloads.schema import read_sessions
 
     tok = AutoTokenizer.from_pretrained(args.target)
-    tools = {s["id"]: s["tools"] for s in read_sessions(args.workload)}
+    sessions = list(read_sessions(args.workload))
+    tools = {s["id"]: s["tools"] for s in sessions}
     reqs = [r for r in load_replay(args.workload, tok, max_prompt_tokens=args.max_prompt_tokens)
             if r.reference.get("tool_calls")]
     llm = LLM(model=args.target, dtype="float32", max_model_len=args.max_prompt_tokens + args.max_tokens,
-              seed=0, max_num_seqs=8)
+              seed=0, max_num_seqs=8, enable_prefix_caching=True)
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs],
                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=False)
-    texts = [o.outputs[0].text for o in outs]
-    ok = [well_formed_tool_calls(t, tools[r.session_id]) for t, r in zip(texts, reqs)]
-    # A well-formed reply has a parseable first call; compare its tool with the reference's.
-    same_tool = [k and json.loads(TOOL_CALL_RE.search(t).group(1))["name"]
-                 == r.reference["tool_calls"][0]["function"]["name"]
-                 for t, r, k in zip(texts, reqs, ok)]
+    del llm
+
+    rows: dict[str, list[dict]] = {name: [] for _, _, name in BUCKETS}
+    for r, o in zip(reqs, outs):
+        text, n_out = o.outputs[0].text, len(o.outputs[0].token_ids)
+        ok = well_formed_tool_calls(text, tools[r.session_id])
+        rows[bucket_of(len(r.prompt_token_ids))].append(dict(
+            prompt_tokens=len(r.prompt_token_ids), ok=ok, output_tokens=n_out,
+            same_tool=ok and first_tool_name(text) == r.reference["tool_calls"][0]["function"]["name"],
+            prompt_tail=tok.decode(r.prompt_token_ids[-40:]), reply=text))
+    losses = {} if args.no_loss else assistant_ce_by_bucket(args.target, sessions, args.max_prompt_tokens)
+
+    def summary(rs: list[dict]) -> dict:
+        n = len(rs)
+        return dict(turns_scored=n,
+                    well_formed_tool_calls=round(sum(x["ok"] for x in rs) / n, 4) if n else None,
+                    same_tool_as_reference=round(sum(x["same_tool"] for x in rs) / n, 4) if n else None,
+                    mean_output_tokens=round(sum(x["output_tokens"] for x in rs) / n, 1) if n else None,
+                    short_endings=sum(x["output_tokens"] <= 2 for x in rs))
+
+    everything = [x for rs in rows.values() for x in rs]
     report = {
-        "target": args.target, "workload": args.workload, "turns_scored": len(reqs),
-        "well_formed_tool_calls": sum(ok) / len(ok),
-        "same_tool_as_reference": sum(same_tool) / len(same_tool),
-        "mean_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs) / len(outs),
-        "samples": [{"prompt_tail": tok.decode(r.prompt_token_ids[-60:]), "reply": t}
-                    for r, t in list(zip(reqs, texts))[: args.samples]],
+        "target": args.target, "workload": args.workload, "max_tokens": args.max_tokens,
+        **summary(everything),
+        "by_bucket": {name: {"prompt_tokens": f"{lo}-{hi - 1}", **summary(rows[name]), **losses.get(name, {}),
+                             "samples": [{k: x[k] for k in ("prompt_tokens", "prompt_tail", "reply")}
+                                         for x in rows[name][: args.samples]]}
+                      for lo, hi, name in BUCKETS},
         "command": "python -m vllm_dlite.target.evaluate " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    print(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "by_bucket"}, indent=2))
+    print(format_table(report))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def format_table(report: dict) -> str:
+    """The per-bucket figures as a markdown table (the model card quotes it)."""
+    lines = ["| prompt tokens | turns | well-formed tool calls | same tool | mean output tokens "
+             "| 2-token endings | held-out assistant CE |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, b in report["by_bucket"].items():
+        pct = (lambda v: "-" if v is None else f"{100 * v:.1f}%")
+        lines.append(f"| {name} | {b['turns_scored']} | {pct(b['well_formed_tool_calls'])} "
+                     f"| {pct(b['same_tool_as_reference'])} | {b['mean_output_tokens']} | {b['short_endings']} "
+                     f"| {b.get('heldout_assistant_ce', '-')} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ Kinds:
   tools ``list_dir``, ``read_file``, ``grep``, ``run``, ``edit_file``. Tool results are real: the
   file listing, file contents, grep output over the tree, and the output of real commands
   (``wc``, ``python3 -c ...``) run in a scratch copy that carries the session's edits. Sessions
-  have >= 10 assistant turns; contexts grow from ~1k tokens to 8k-20k; assistant turns are short.
+  have >= 10 assistant turns; contexts grow from ~1k tokens to >= ~9k (60% of sessions), >= ~18k
+  (about 20%) or ~26-30k tokens (about 20%: long agent sessions fill a 32k window); assistant
+  turns are short.
 * ``code``: complete a function body given the preceding source of its file.
 * ``chat``: short one- or two-turn questions answered from stdlib docstrings.
 """
@@ -234,6 +236,16 @@ TASKS = [
 
 
 MIN_AGENTIC_CHARS = 36_000  # ~9k tokens of this tokenizer on stdlib code
+# Context a session reads up to, in multiples of MIN_AGENTIC_CHARS: short / long / longest. The
+# longest stay under ~30k tokens so that every turn fits the tiny target's 32k window.
+LENGTH_CLASSES = (1.0, 2.0, 2.5)
+
+
+def _length_class(sid: str, long: bool) -> float:
+    """Rng-free (a stable hash of the id), so the sessions' random choices stay as they were."""
+    if not long:
+        return LENGTH_CLASSES[0]
+    return LENGTH_CLASSES[1 + int(hashlib.sha256(sid.encode()).hexdigest(), 16) % 2]
 
 
 def _context_chars(messages: list[dict]) -> int:
@@ -285,7 +297,7 @@ def agentic_session(rng: random.Random, sid: str, path: str, long: bool) -> dict
         for a, b in list(_chunks(1, n_other, window))[:reads]:
             sb.call(f"Checking `{other}` for context.", "read_file",
                     {"path": other, "start": a, "end": b}, ws.read_file(other, a, b))
-    # Keep reading until the context is long (>= ~8k tokens, long sessions >= ~16k): agent contexts grow with every tool
+    # Keep reading until the context is long (LENGTH_CLASSES): agent contexts grow with every tool
     # result. Deterministic and rng-free, so the sessions' random choices are unchanged.
     extra = [(path, a, b) for a, b in list(_chunks(1, len(lines), window))[n_reads:]]
     if others:
@@ -295,7 +307,7 @@ def agentic_session(rng: random.Random, sid: str, path: str, long: bool) -> dict
     start_at = sum(p < path for p in siblings)
     for p in siblings[start_at:] + siblings[:start_at]:
         extra += [(p, a, b) for a, b in list(_chunks(1, len(read_text(p).splitlines()), window))[:2]]
-    min_chars = 2 * MIN_AGENTIC_CHARS if long else MIN_AGENTIC_CHARS  # long sessions: >= ~16k tokens
+    min_chars = _length_class(sid, long) * MIN_AGENTIC_CHARS
     while extra and _context_chars(sb.messages) < min_chars:
         p, a, b = extra.pop(0)
         sb.call(f"Reading `{p}` lines {a}-{b}.", "read_file", {"path": p, "start": a, "end": b},
@@ -371,7 +383,7 @@ def generate(kind: str, split: str, n: int, seed: int = 0) -> list[dict]:
         path = rng.choice(files)
         sid = f"{kind}-{split}-{seed}-{len(sessions):05d}"
         if kind == "agentic":
-            long = rng.random() < 0.4  # long sessions reach >= ~16k tokens of context
+            long = rng.random() < 0.4  # long sessions reach >= ~18k or ~26-30k tokens of context
             s = agentic_session(rng, sid, path, long=long)
         else:
             s = BUILDERS[kind](rng, sid, path)

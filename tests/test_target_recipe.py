@@ -1,0 +1,68 @@
+"""The tiny target's long-context stage and its per-length evaluation: windows, masks, buckets."""
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from paths import TARGET_DIR, WORKLOADS
+from vllm_dlite.target.evaluate import BUCKETS, bucket_of, first_tool_name, well_formed_tool_calls
+from vllm_dlite.target.long import CURRICULUM, length_cap, supervised_window
+from vllm_dlite.target.sft import assistant_spans
+from vllm_dlite.target.train import render_sessions
+from vllm_dlite.workloads.schema import read_sessions
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TARGET_DIR)
+
+
+@pytest.fixture(scope="module")
+def session(tok):
+    s = next(s for s in read_sessions(str(WORKLOADS / "heldout_agentic.jsonl")))
+    doc = render_sessions(tok, [s])[0]
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    return doc, assistant_spans(doc, header, tok.convert_tokens_to_ids("<|im_end|>")), s
+
+
+def test_curriculum_caps_grow_to_the_window():
+    caps = [length_cap(p / 100, 30720) for p in range(100)]
+    assert caps == sorted(caps)
+    assert caps[0] == 8192 and caps[30] == 16384 and caps[-1] == 30720
+    assert CURRICULUM[-1][0] == 1.0
+
+
+def test_window_is_a_session_prefix_ending_at_an_assistant_turn(session, tok):
+    doc, spans, s = session
+    assert len(spans) == sum(m["role"] == "assistant" for m in s["messages"])
+    rng = random.Random(0)
+    for cap in (2048, 4096, 8192):
+        ids, mask = supervised_window(doc, spans, cap, rng)
+        assert ids == doc[: len(ids)] and len(mask) == len(ids)
+        # the last turn end at <= L (L >= cap / 2): no turn ends between the window and cap / 2
+        assert len(ids) <= cap and any(stop == len(ids) for _, stop in spans)
+        assert not any(len(ids) < stop <= cap // 2 for _, stop in spans)
+        assert tok.decode(ids[-1:]) == "<|im_end|>"
+        # every assistant token in the window is supervised, and nothing else
+        expected = [0] * len(ids)
+        for a, b in spans:
+            for i in range(a, min(b, len(ids))):
+                expected[i] = 1
+        assert mask == expected and 0 < sum(mask) < len(ids)
+
+
+def test_buckets_cover_the_window():
+    assert [b[2] for b in BUCKETS] == ["0-2k", "2k-4k", "4k-8k", "8k-16k", "16k-32k"]
+    assert bucket_of(0) == "0-2k" and bucket_of(2047) == "0-2k" and bucket_of(2048) == "2k-4k"
+    assert bucket_of(16384) == "16k-32k" and bucket_of(32767) == "16k-32k" and bucket_of(32768) is None
+
+
+def test_well_formed_tool_calls(session):
+    tools = session[2]["tools"]
+    ok = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py", "start": 1, "end": 9}}\n</tool_call>'
+    assert well_formed_tool_calls("Reading.\n" + ok, tools) and first_tool_name(ok) == "read_file"
+    assert not well_formed_tool_calls("</tool_response>", tools)
+    assert not well_formed_tool_calls(ok.replace('"path": "a.py", ', ""), tools)  # required parameter missing
+    assert not well_formed_tool_calls(ok.replace("read_file", "py"), tools)  # no such tool
+    assert not well_formed_tool_calls(ok.replace('{"name"', '{"cmd", "name"'), tools)  # not JSON
