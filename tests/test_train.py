@@ -300,7 +300,8 @@ def test_anchors_follow_the_authors_rule_labels_and_groups(sequences_file):
 
 # =========================================================================== trainer
 def _run_train(config: dict, tmp_path: Path, name: str) -> None:
-    from vllm_dlite.train.trainer import TrainConfig, Trainer
+    from vllm_dlite.train.config import TrainConfig
+    from vllm_dlite.train.trainer import Trainer
 
     Trainer(TrainConfig.from_dict(config)).run()
 

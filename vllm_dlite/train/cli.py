@@ -14,7 +14,7 @@ resumes from the latest checkpoint.
     python -m vllm_dlite.train --config configs/dlite-tiny.yaml [--set optim.lr=3e-4 ...]
     torchrun --nproc-per-node 8 -m vllm_dlite.train --config cfg.yaml      # DDP (nccl / gloo)
 
-Config files are YAML or JSON with the sections of :class:`vllm_dlite.train.trainer.TrainConfig`
+Config files are YAML or JSON with the sections of :class:`vllm_dlite.train.config.TrainConfig`
 (``target``, ``data``, ``model``, ``epochs``, ``optim``, ``loss``, ``run``, ``ablation``,
 ``eval``); ``--set a.b=VALUE`` overrides any key (VALUE parsed as YAML). Ablations:
 ``--ablation stable_only`` (skip teacher + stage 1), ``--ablation anchor_group_size=2``,
@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from vllm_dlite.train.trainer import TrainConfig, Trainer
+from vllm_dlite.train.config import TrainConfig
+from vllm_dlite.train.trainer import Trainer
 
 ABLATION_FLAGS = {"stable_only": ("ablation", "stable_only")}
 
