@@ -606,7 +606,7 @@ def test_wait_for_file_survives_the_file_vanishing(tmp_path, monkeypatch):
     import os
     import pathlib
 
-    from vllm_dlite.train.trainer import wait_for_file
+    from vllm_dlite.train.distributed import wait_for_file
 
     ready = tmp_path / "data.ready"
     ready.write_text("stale\n")

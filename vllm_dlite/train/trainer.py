@@ -51,7 +51,6 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -79,6 +78,17 @@ from vllm_dlite.train.data import (
     regenerate_in_subprocess,
     regeneration_done,
 )
+from vllm_dlite.train.distributed import (
+    DistInfo,
+    agree,
+    barrier,
+    full_model_state,
+    full_state_options,
+    init_distributed,
+    no_sync,
+    wait_for_file,
+    wrap_model,
+)
 from vllm_dlite.train.features import (
     HS_DIRNAME,
     TargetFeatureExtractor,
@@ -88,57 +98,6 @@ from vllm_dlite.train.features import (
     torch_dtype,
     write_hs_file,
 )
-
-
-# =========================================================================== distributed
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-
-def init_distributed(device_pref: str) -> DistInfo:
-    """Init torch.distributed from torchrun's environment (gloo on CPU, nccl on GPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return DistInfo(rank, world, local_rank, device)
-
-
-def barrier(info: DistInfo) -> None:
-    if info.enabled:
-        dist.barrier()
-
-
-def wait_for_file(path: Path, newer_than: float = 0.0, poll_s: float = 2.0) -> None:
-    """Non-main ranks wait (without a collective, which could time out during a long data
-    regeneration) for rank 0 to (re)write ``path``. Rank 0 deletes a stale copy before rewriting
-    it, so the file may vanish between two looks; that is waiting, not an error."""
-    while True:
-        try:
-            if path.stat().st_mtime >= newer_than:
-                return
-        except FileNotFoundError:
-            pass
-        time.sleep(poll_s)
 
 
 # =========================================================================== helpers
@@ -233,22 +192,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-
-def _full_state_options(all_ranks: bool = False):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # cpu_offload: rank 0 only gets the tensors (on CPU); other ranks get an empty dict
-    return StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
-
-
-def full_model_state(model: nn.Module, all_ranks: bool = False) -> dict[str, torch.Tensor]:
-    """Unsharded state dict of a plain, DDP or FSDP2 module (FQNs without wrappers).
-
-    Collective under FSDP (every rank must call it). Default: CPU tensors on rank 0 only (for
-    saving); ``all_ranks=True``: every rank gets the tensors on the model's device."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_full_state_options(all_ranks))
 
 
 # =========================================================================== trainer
@@ -579,7 +522,7 @@ class Trainer:
             # DDP/FSDP reduce gradients once per optimizer step: only the last chunk of the last
             # micro-batch syncs (no_sync must cover the forward too: DDP decides there)
             last = ci == len(chunks) - 1
-            sync = contextlib.nullcontext() if (last and sync_last) else self._no_sync(model)
+            sync = contextlib.nullcontext() if (last and sync_last) else no_sync(model)
             padding = idx.numel() == 0  # this rank has fewer chunks: a zero-weight stand-in
             if padding:
                 idx = torch.zeros(1, dtype=torch.long, device=mask.device)
@@ -656,22 +599,6 @@ class Trainer:
         history, valid = gather_history(hist_rows, row_start, seq, pos, module.num_history_slots)
         return teacher(feats, batch.group_ids[idx], batch.labels[idx], False, history.float(), valid)
 
-    @staticmethod
-    def _no_sync(model: nn.Module):
-        if hasattr(model, "no_sync"):  # DDP
-            return model.no_sync()
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            @contextlib.contextmanager
-            def fsdp_no_sync():
-                model.set_requires_gradient_sync(False)
-                try:
-                    yield
-                finally:
-                    model.set_requires_gradient_sync(True)
-
-            return fsdp_no_sync()
-        return contextlib.nullcontext()
-
     # ------------------------------------------------------------------ stage loop
     def _plan(self, stage: str, epoch: int) -> list[list[int]]:
         d, info = self.cfg.data, self.info
@@ -694,21 +621,9 @@ class Trainer:
         cache = self.__dict__.setdefault("_wrapped", {})
         key = (id(model), tuple(n for n, p in model.named_parameters() if p.requires_grad))
         if key not in cache:
-            cache[key] = self._make_wrapper(model)
+            cache[key] = wrap_model(model, self.info, self.cfg.run.parallel)
         cache[id(model)] = cache[key]
         return cache[key]
-
-    def _make_wrapper(self, model: nn.Module) -> nn.Module:
-        if self.cfg.run.parallel == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            # One FSDP unit: the teacher calls its layers' sub-modules directly (per-layer units
-            # would not be gathered); parameters, gradients and optimizer states are sharded.
-            return fully_shard(model)
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ids = [self.info.local_rank] if self.info.device.type == "cuda" else None
-        return DDP(model, device_ids=ids)
 
     def _train_stage(self, stage: str, resume: Optional[dict[str, Any]]) -> None:
         cfg, info = self.cfg, self.info
@@ -799,7 +714,7 @@ class Trainer:
                 if stage_step >= total:
                     done = True
                     break
-                if budget is not None and self._agree(time.time() - t_stage >= budget):
+                if budget is not None and agree(self.info, time.time() - t_stage >= budget):
                     self._log_console(f"stage {stage}: time budget {budget:.0f} s reached at "
                                       f"step {stage_step}/{total}; next stage")
                     if stage_step % cfg.run.log_every:
@@ -830,14 +745,6 @@ class Trainer:
         if cfg.run.stop_after_steps is not None and self.global_step >= cfg.run.stop_after_steps:
             raise StopTraining
         del wrapped
-
-    def _agree(self, flag: bool) -> bool:
-        """True when any rank says so (ranks must leave a stage at the same step)."""
-        if not self.info.enabled:
-            return bool(flag)
-        t = torch.tensor([1.0 if flag else 0.0], device=self.info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
 
     def _copy_teacher_head(self) -> None:
         """Stage 1 starts with the teacher's sequential head in the student (frozen there);
@@ -916,7 +823,7 @@ class Trainer:
         root = self._ckpt_root()
         final, tmp = root / name, root / f".{name}.tmp"
         model_state = full_model_state(wrapped)  # collective under FSDP: every rank calls it
-        optim_state = get_optimizer_state_dict(wrapped, opt, options=_full_state_options())
+        optim_state = get_optimizer_state_dict(wrapped, opt, options=full_state_options())
         trainable = "teacher" if stage == "teacher" else "drafter"
         other_name = "drafter" if trainable == "teacher" else "teacher"
         other = self.drafter if trainable == "teacher" else self.teacher
