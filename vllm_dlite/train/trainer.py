@@ -47,7 +47,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -68,6 +67,14 @@ from vllm_dlite.model.teacher import (
     gather_history,
 )
 from vllm_dlite.train import losses
+from vllm_dlite.train.checkpointing import (
+    find_checkpoint,
+    optimizer_state,
+    read_checkpoint,
+    restore_optimizer,
+    set_rng_state,
+    write_checkpoint,
+)
 from vllm_dlite.train.config import TrainConfig
 from vllm_dlite.train.data import (
     RegenerationConfig,
@@ -83,7 +90,6 @@ from vllm_dlite.train.distributed import (
     agree,
     barrier,
     full_model_state,
-    full_state_options,
     init_distributed,
     no_sync,
     wait_for_file,
@@ -172,26 +178,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-
-
-def rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
 
 
 # =========================================================================== trainer
@@ -647,7 +633,7 @@ class Trainer:
         )
         epoch0, step0, stage_step = 0, 0, 0
         if resume is not None:
-            self._restore_optim(wrapped, opt, sched, resume)
+            restore_optimizer(wrapped, opt, sched, resume)
             epoch0, step0, stage_step = resume["epoch"], resume["step_in_epoch"], resume[
                 "stage_step"]
         self._log_console(
@@ -816,14 +802,9 @@ class Trainer:
 
     def _save_checkpoint(self, stage, stage_step, position, wrapped, opt, sched,
                          window: Optional["_Window"] = None) -> None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         info = self.info
-        name = f"step-{self.global_step:08d}"
-        root = self._ckpt_root()
-        final, tmp = root / name, root / f".{name}.tmp"
         model_state = full_model_state(wrapped)  # collective under FSDP: every rank calls it
-        optim_state = get_optimizer_state_dict(wrapped, opt, options=full_state_options())
+        optim_state = optimizer_state(wrapped, opt)
         trainable = "teacher" if stage == "teacher" else "drafter"
         other_name = "drafter" if trainable == "teacher" else "teacher"
         other = self.drafter if trainable == "teacher" else self.teacher
@@ -831,12 +812,7 @@ class Trainer:
         other_state = (
             full_model_state(wrappers.get(id(other), other)) if other is not None else None
         )
-        if info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier(info)
-        torch.save(dict(rng=rng_state(), window=dict(window.__dict__) if window else None),
-                   tmp / f"rng-rank{info.rank}.pt")
+        state = None
         if info.is_main:
             models = {trainable: model_state}
             if other_state is not None:
@@ -847,31 +823,16 @@ class Trainer:
                 optimizer=optim_state, scheduler=sched.state_dict(),
                 config=self.cfg.to_dict(), report_stages=dict(self.report["stages"]),
             )
-            torch.save(state, tmp / "trainer.pt")
-        barrier(info)
-        if info.is_main:
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            (root / "latest").write_text(name + "\n")
-            keep = max(1, self.cfg.run.keep_checkpoints)
-            old = sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]
-            for p in old:
-                shutil.rmtree(p, ignore_errors=True)
-        barrier(info)
+        write_checkpoint(self._ckpt_root(), self.global_step, info, state,
+                         window=dict(window.__dict__) if window else None,
+                         keep=self.cfg.run.keep_checkpoints)
 
     def _load_checkpoint(self) -> Optional[dict[str, Any]]:
         """Restore model weights, RNG and counters; return the state (optimizer restored later)."""
-        resume = self.cfg.run.resume
-        if resume == "none":
+        path = find_checkpoint(self._ckpt_root(), self.cfg.run.resume)
+        if path is None:
             return None
-        if resume == "auto":
-            latest = self._ckpt_root() / "latest"
-            if not latest.is_file():
-                return None
-            path = self._ckpt_root() / latest.read_text().strip()
-        else:
-            path = Path(resume)
-        state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+        state, per_rank = read_checkpoint(path, self.info.rank)
         if state["world_size"] != self.info.world_size:
             self._log_console(
                 f"warning: checkpoint written with world size {state['world_size']}, running "
@@ -881,9 +842,7 @@ class Trainer:
             module = self.teacher if name == "teacher" else self.drafter
             if module is not None:
                 module.load_state_dict(weights)
-        rng_file = path / f"rng-rank{self.info.rank}.pt"
-        if rng_file.is_file():
-            per_rank = torch.load(rng_file, weights_only=False)
+        if per_rank is not None:
             set_rng_state(per_rank["rng"])
             self._resume_window = per_rank.get("window")
         self.global_step = state["global_step"]
@@ -891,16 +850,6 @@ class Trainer:
         self._log_console(f"resuming from {path} (stage {state['stage']}, step "
                           f"{state['global_step']})")
         return state
-
-    def _restore_optim(self, wrapped, opt, sched, state) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
-        set_optimizer_state_dict(wrapped, opt, state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
-        sched.load_state_dict(state["scheduler"])
 
     # ------------------------------------------------------------------ export
     def _finish(self) -> None:
