@@ -42,7 +42,6 @@ teacher, checkpoints and ``metrics.jsonl``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -63,7 +62,6 @@ from vllm_dlite.model.teacher import (
     HEAD_PREFIX,
     SWATeacher,
     default_history_layer_ids,
-    gather_history,
 )
 from vllm_dlite.train import losses
 from vllm_dlite.train.checkpointing import (
@@ -77,7 +75,6 @@ from vllm_dlite.train.checkpointing import (
 from vllm_dlite.train.config import TrainConfig
 from vllm_dlite.train.data import (
     RegenerationConfig,
-    SequenceBatch,
     SequenceStore,
     collate,
     plan_batches,
@@ -90,7 +87,6 @@ from vllm_dlite.train.distributed import (
     barrier,
     full_model_state,
     init_distributed,
-    no_sync,
     wait_for_file,
     wrap_model,
 )
@@ -99,11 +95,11 @@ from vllm_dlite.train.features import (
     TargetFeatureExtractor,
     TargetHead,
     hs_file_path,
-    read_hs_file,
     torch_dtype,
     write_hs_file,
 )
 from vllm_dlite.train.model_card import command_line, model_card
+from vllm_dlite.train.objective import StageObjective
 
 
 # =========================================================================== helpers
@@ -303,15 +299,12 @@ class Trainer:
         # aux ids: the drafter's, the teacher's history layers, and N (p^T); one file layout
         self.feature_aux_ids = sorted(set(dlite_cfg.aux_layer_ids)
                                       | {j + 1 for j in self.history_layer_ids} | {n_layers})
-        self.cur_idx = [self.feature_aux_ids.index(i) for i in dlite_cfg.aux_layer_ids]
-        self.hist_idx = [self.feature_aux_ids.index(j + 1) for j in self.history_layer_ids]
-        self.last_idx = self.feature_aux_ids.index(n_layers)
 
         device = info.device
         precision = cfg.run.precision
         if precision == "auto":
             precision = "bf16" if device.type == "cuda" else "fp32"
-        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         target_dtype = torch_dtype(cfg.target.dtype)
         if target_dtype is None:
             target_dtype = torch.float32 if device.type == "cpu" else None  # None = checkpoint
@@ -347,6 +340,14 @@ class Trainer:
             if m.head_init == "target_svd":
                 init_head_from_target(self.teacher, self.target_head.lm_head_weight)
             self.teacher.bind_target(embed.float(), norm_w.float(), eps)
+        ids = self.feature_aux_ids
+        self.objective = StageObjective(
+            cfg, info, target_head=self.target_head, teacher=self.teacher, layer_ids=ids,
+            cur_idx=[ids.index(i) for i in dlite_cfg.aux_layer_ids],
+            hist_idx=[ids.index(j + 1) for j in self.history_layer_ids],
+            last_idx=ids.index(n_layers), autocast_dtype=autocast_dtype,
+            extractor=self.extractor, hs_dir=self._features_dir() / HS_DIRNAME,
+        )
         self.report["model"] = dict(
             format="dlite_v1",
             dlite_config=dlite_cfg.to_dict(),
@@ -427,163 +428,6 @@ class Trainer:
                 dtype=cfg.data.features_dtype))
             if todo:
                 self.report["features"]["wall_s"] = round(time.time() - t0, 1)
-
-    def _batch_features(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows [S, T', Lf, H], row_start [S])``: the ``feature_aux_ids`` features of positions
-        ``row_start[s] ..`` (online: every position, row_start 0)."""
-        if self.extractor is not None:
-            out = self.extractor(batch.input_ids, batch.attention_mask)
-            S = batch.input_ids.shape[0]
-            return out.features, torch.zeros(S, dtype=torch.long, device=out.features.device)
-        hs_dir = self._features_dir() / HS_DIRNAME
-        files = []
-        for row, s in enumerate(batch.seq_numbers):
-            f = read_hs_file(hs_file_path(hs_dir, s), layer_ids=self.feature_aux_ids)
-            n = int(batch.lengths[row])
-            if f.token_ids.shape[0] != n or not torch.equal(
-                f.token_ids, batch.input_ids[row, :n].cpu()
-            ):
-                raise ValueError(
-                    f"{hs_file_path(hs_dir, s)} holds other tokens than sequence {s}: the feature "
-                    "files are stale; delete the features directory to rebuild them"
-                )
-            files.append(f)
-        T = max(f.features.shape[0] for f in files)
-        Lf, H = files[0].features.shape[1:]
-        rows = torch.zeros(len(files), T, Lf, H, dtype=files[0].features.dtype)
-        for row, f in enumerate(files):
-            rows[row, : f.features.shape[0]] = f.features
-        starts = torch.tensor([f.row_start for f in files], dtype=torch.long)
-        device = self.info.device
-        return rows.to(device), starts.to(device)
-
-    # ------------------------------------------------------------------ losses
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.info.device.type, dtype=self.autocast_dtype)
-
-    def _rows_at(self, rows, row_start, seq_index, pos, layer_idx):
-        """Feature rows ``[..., len(layer_idx) or H]`` at absolute positions ``pos`` (any shape
-        broadcastable with ``seq_index``)."""
-        local = pos - row_start[seq_index]
-        if bool((local < 0).any()) or bool((local >= rows.shape[1]).any()):
-            raise RuntimeError("an anchor reads a feature row that was not stored (feature files "
-                               "built for another teacher window?); delete the features dir")
-        return rows[seq_index, local][..., layer_idx, :].float()
-
-    def _target_probs(self, batch, idx, rows, row_start) -> torch.Tensor:
-        """``p [n, K, V]`` fp32 for anchors ``idx``: the target's distribution at positions
-        ``a + k`` (k = 0..K-1), i.e. the one that predicted label ``x_{a+k+1}``."""
-        pos = batch.block_positions()[idx]  # [n, K]
-        seq = batch.seq_index[idx][:, None].expand_as(pos)
-        last = self._rows_at(rows, row_start, seq, pos, self.last_idx)
-        return torch.softmax(self.target_head.logits(last).float(), dim=-1)
-
-    def _micro_batch_loss(
-        self, stage: str, model: nn.Module, batch: SequenceBatch, sync_last: bool
-    ) -> dict[str, Any]:
-        """Forward + backward of one micro-batch (in anchor chunks); returns detached metrics.
-
-        Every loss is ``sum m w D / Z`` with ``Z`` = the sum of the position weights over the
-        active positions of the micro-batch on ALL ranks (all-reduced); each rank's loss is
-        multiplied by the world size because DDP averages gradients. Chunks just add numerators.
-        """
-        cfg = self.cfg
-        rows, row_start = self._batch_features(batch)
-        N, K = batch.labels.shape
-        mask = batch.label_mask
-        chunks = self._anchor_chunks(N, mask.device)
-        w = self._weights(stage, K, mask.device)
-        z = losses.normaliser(mask, w).reshape(1).to(torch.float64)
-        if self.info.enabled:
-            z = z.to(self.info.device)
-            dist.all_reduce(z)
-        denom = float(z.item()) / self.info.world_size
-        scale = 1.0 / cfg.optim.grad_accum_steps
-        metrics: dict[str, Any] = {"hits": torch.zeros(K), "counts": torch.zeros(K)}
-        comps: dict[str, float] = {}
-        loss_total = 0.0
-        for ci, idx in enumerate(chunks):
-            # DDP/FSDP reduce gradients once per optimizer step: only the last chunk of the last
-            # micro-batch syncs (no_sync must cover the forward too: DDP decides there)
-            last = ci == len(chunks) - 1
-            sync = contextlib.nullcontext() if (last and sync_last) else no_sync(model)
-            padding = idx.numel() == 0  # this rank has fewer chunks: a zero-weight stand-in
-            if padding:
-                idx = torch.zeros(1, dtype=torch.long, device=mask.device)
-            with sync:
-                loss, parts, logits = self._chunk_loss(stage, model, batch, idx, rows, row_start,
-                                                       w, denom)
-                (loss * (0.0 if padding else scale)).backward()
-            if padding:
-                continue
-            loss_total += float(loss.detach())
-            for name, value in parts.items():
-                comps[name] = comps.get(name, 0.0) + float(value)
-            hits, counts = losses.position_accuracy(logits.detach(), batch.labels[idx], mask[idx])
-            metrics["hits"] += hits
-            metrics["counts"] += counts
-        metrics.update(loss=loss_total, anchors=N, tokens=batch.num_tokens, **comps)
-        return metrics
-
-    def _weights(self, stage: str, K: int, device) -> torch.Tensor:
-        if stage == "teacher" and not self.cfg.loss.teacher_position_weights:
-            return torch.ones(K, device=device)
-        return losses.position_weights(K, self.cfg.loss.gamma, device=device)
-
-    def _anchor_chunks(self, num_anchors: int, device: torch.device) -> list[torch.Tensor]:
-        """Split ``0..N-1`` into chunks of <= ``optim.anchor_chunk_size``; under
-        torch.distributed every rank uses the same (max) chunk count, so the per-chunk
-        collectives (FSDP all-gathers) match; surplus chunks are empty (run as zero-weight
-        stand-ins)."""
-        size = self.cfg.optim.anchor_chunk_size or num_anchors
-        count = max(1, math.ceil(num_anchors / size))
-        if self.info.enabled:
-            t = torch.tensor([count], device=self.info.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            count = int(t.item())
-        return list(torch.tensor_split(torch.arange(num_anchors, device=device), count))
-
-    def _chunk_loss(self, stage, model, batch, idx, rows, row_start, w, denom):
-        """Loss of anchors ``idx``: numerators over the micro-batch normaliser ``denom``;
-        returns ``(loss, {name: value as a share of the micro-batch mean}, student logits)``."""
-        cfg = self.cfg
-        m = batch.label_mask[idx]
-        seq, pos = batch.seq_index[idx], batch.anchor_pos[idx]
-        feats = self._rows_at(rows, row_start, seq, pos - 1, self.cur_idx)  # [n, L, H] at a-1
-        group, labels = batch.group_ids[idx], batch.labels[idx]
-        with self._autocast():
-            if stage == "teacher":
-                logits = self._teacher_logits(model, rows, row_start, batch, idx, feats)
-            else:
-                logits = model(feats, group, labels)
-        if stage == "teacher":
-            parts = {"ce": losses.weighted_sum(losses.ce_per_position(logits, labels), m, w)}
-            coefs = {"ce": 1.0}
-        elif stage == "kl":
-            with torch.no_grad(), self._autocast():
-                t_logits = self._teacher_logits(self.teacher, rows, row_start, batch, idx, feats)
-            parts = {"kl": losses.weighted_sum(losses.kl_per_position(t_logits, logits), m, w)}
-            coefs = {"kl": 1.0}
-        else:
-            p_t = self._target_probs(batch, idx, rows, row_start)
-            parts = {
-                "ce": losses.weighted_sum(losses.ce_per_position(logits, labels), m, w),
-                "tv": losses.weighted_sum(losses.l1_per_position(p_t, logits), m, w),
-            }
-            coefs = {"ce": cfg.loss.stable_ce_weight, "tv": cfg.loss.stable_tv_weight}
-        loss = sum(parts[k] * coefs[k] for k in parts) / denom
-        return loss, {k: v.detach() / denom for k, v in parts.items()}, logits
-
-    def _teacher_logits(self, teacher: nn.Module, rows, row_start, batch: SequenceBatch,
-                        idx: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """Teacher forward for anchors ``idx`` with their history windows."""
-        module = getattr(teacher, "module", teacher)
-        seq, pos = batch.seq_index[idx], batch.anchor_pos[idx]
-        hist_rows = rows[..., self.hist_idx, :]
-        history, valid = gather_history(hist_rows, row_start, seq, pos, module.num_history_slots)
-        return teacher(feats, batch.group_ids[idx], batch.labels[idx], False, history.float(), valid)
 
     # ------------------------------------------------------------------ stage loop
     def _plan(self, stage: str, epoch: int) -> list[list[int]]:
@@ -668,7 +512,8 @@ class Trainer:
                         key=(cfg.run.seed, stage, epoch),
                         group_size=self.dlite_config.anchor_group_size,
                     ).to(info.device)
-                    window.add(self._micro_batch_loss(stage, wrapped, batch, micro == accum - 1))
+                    window.add(self.objective.micro_batch_loss(stage, wrapped, batch,
+                                                              micro == accum - 1))
                     window.micro += 1
                 grad_norm = nn.utils.clip_grad_norm_(
                     [p for p in model.parameters() if p.requires_grad],
