@@ -63,7 +63,6 @@ from vllm_dlite.model.teacher import (
     SWATeacher,
     default_history_layer_ids,
 )
-from vllm_dlite.train import losses
 from vllm_dlite.train.checkpointing import (
     find_checkpoint,
     optimizer_state,
@@ -98,6 +97,7 @@ from vllm_dlite.train.features import (
     torch_dtype,
     write_hs_file,
 )
+from vllm_dlite.train.metrics import MetricsLog, MetricWindow
 from vllm_dlite.train.model_card import command_line, model_card
 from vllm_dlite.train.objective import StageObjective
 
@@ -187,8 +187,7 @@ class Trainer:
         self.info = DistInfo()
         self.t_start = time.time()
         self.global_step = 0
-        self.metrics_file = None
-        self.tb = None
+        self.metrics_log: Optional[MetricsLog] = None
         self.report: dict[str, Any] = {"stages": {}}
 
     # ------------------------------------------------------------------ entry point
@@ -490,7 +489,7 @@ class Trainer:
 
             bar = tqdm(total=total, initial=stage_step, desc=stage, unit="step",
                        dynamic_ncols=True, file=sys.stderr)
-        window = _Window(self.dlite_config.num_draft_tokens)
+        window = MetricWindow(self.dlite_config.num_draft_tokens)
         if resume is not None and getattr(self, "_resume_window", None):
             window.__dict__.update(self._resume_window)  # a log window cut by the checkpoint
         accum = cfg.optim.grad_accum_steps
@@ -534,7 +533,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{window.last_loss:.4f}", epoch=epoch)
                 if stage_step % cfg.run.log_every == 0 or stage_step == total:
                     self._log_metrics(stage, epoch, stage_step, total, sched, window)
-                    window = _Window(self.dlite_config.num_draft_tokens)
+                    window = MetricWindow(self.dlite_config.num_draft_tokens)
                 position = dict(epoch=epoch, step_in_epoch=step + 1,
                                 stage_elapsed_s=time.time() - t_stage)
                 if step + 1 == steps_per_epoch[epoch]:
@@ -591,54 +590,28 @@ class Trainer:
     def _open_logs(self) -> None:
         if not self.info.is_main:
             return
-        self.metrics_file = open(self.work / "metrics.jsonl", "a", encoding="utf-8")
-        if self.cfg.run.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.work / "tensorboard"))
-            except ImportError:
-                self.tb = None
+        tb_dir = self.work / "tensorboard" if self.cfg.run.tensorboard else None
+        self.metrics_log = MetricsLog(self.work / "metrics.jsonl", tb_dir)
 
     def _close_logs(self) -> None:
-        if self.metrics_file is not None:
-            self.metrics_file.close()
-            self.metrics_file = None
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+            self.metrics_log = None
 
     def _log_console(self, message: str) -> None:
         if self.info.is_main:
             print(f"[dlite-train] {message}", file=sys.stderr, flush=True)
 
-    def _log_metrics(self, stage, epoch, stage_step, total, sched, window: "_Window") -> None:
-        sums = window.reduce(self.info)
+    def _log_metrics(self, stage, epoch, stage_step, total, sched, window: MetricWindow) -> None:
+        summary = window.summary(self.info)  # collective
         if not self.info.is_main:
             return
-        steps = max(1, window.steps)
-        micro = max(1, window.micro) * self.info.world_size  # micro-batches over all ranks
         record: dict[str, Any] = dict(
             step=self.global_step, stage=stage, epoch=epoch, stage_step=stage_step,
-            stage_steps=total, lr=sched.get_last_lr()[0], loss=sums["loss"] / micro,
+            stage_steps=total, lr=sched.get_last_lr()[0], **summary,
+            elapsed_s=round(time.time() - self.t_start, 1),
         )
-        for name in ("ce", "kl", "tv"):
-            if name in sums:
-                record[name] = sums[name] / micro
-        acc = (sums["hits"] / sums["counts"].clamp_min(1)).tolist()
-        record["acc"] = [round(a, 4) for a in acc]
-        record["tau_proxy"] = round(losses.expected_tau(sums["hits"], sums["counts"]), 4)
-        record["grad_norm"] = window.grad_norm / steps
-        record["anchors_per_s"] = sums["anchors"] / max(window.seconds, 1e-9)
-        record["tokens_per_s"] = sums["tokens"] / max(window.seconds, 1e-9)
-        record["elapsed_s"] = round(time.time() - self.t_start, 1)
-        self.metrics_file.write(json.dumps(record) + "\n")
-        self.metrics_file.flush()
-        if self.tb is not None:
-            for key in ("loss", "ce", "kl", "tv", "lr", "tau_proxy", "grad_norm",
-                        "anchors_per_s"):
-                if key in record:
-                    self.tb.add_scalar(f"{stage}/{key}", record[key], self.global_step)
+        self.metrics_log.write(record)
         self.last_record = record
 
     # ------------------------------------------------------------------ checkpoints
@@ -646,7 +619,7 @@ class Trainer:
         return self.work / "checkpoints"
 
     def _save_checkpoint(self, stage, stage_step, position, wrapped, opt, sched,
-                         window: Optional["_Window"] = None) -> None:
+                         window: Optional[MetricWindow] = None) -> None:
         info = self.info
         model_state = full_model_state(wrapped)  # collective under FSDP: every rank calls it
         optim_state = optimizer_state(wrapped, opt)
@@ -723,8 +696,8 @@ class Trainer:
             self.report["offline_eval"] = self._offline_eval()
         (self.out / "training_report.json").write_text(json.dumps(self.report, indent=2) + "\n")
         (self.out / "README.md").write_text(model_card(self.report, self.dlite_config))
-        if self.metrics_file is not None:
-            self.metrics_file.flush()
+        if self.metrics_log is not None:
+            self.metrics_log.flush()
             shutil.copyfile(self.work / "metrics.jsonl", self.out / "metrics.jsonl")
         self._log_console(f"drafter written to {self.out}")
 
@@ -739,42 +712,6 @@ class Trainer:
             check_lossless=False, progress=self.cfg.run.progress, device=str(self.info.device),
             dtype=self.cfg.target.dtype,
         )
-
-
-class _Window:
-    """Metric sums since the last log line (reduced across ranks when logging)."""
-
-    def __init__(self, K: int):
-        self.sums: dict[str, Any] = {"hits": torch.zeros(K), "counts": torch.zeros(K),
-                                     "loss": 0.0, "anchors": 0.0, "tokens": 0.0}
-        self.steps = 0
-        self.micro = 0
-        self.seconds = 0.0
-        self.grad_norm = 0.0
-        self.last_loss = float("nan")
-        self._step_loss = 0.0
-
-    def add(self, m: dict[str, Any]) -> None:
-        for key, value in m.items():
-            if key in ("hits", "counts"):
-                self.sums[key] += value
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + float(value)
-        self.last_loss = float(m["loss"])
-
-    def reduce(self, info: DistInfo) -> dict[str, Any]:
-        keys = sorted(k for k in self.sums if k not in ("hits", "counts"))
-        flat = torch.cat([torch.tensor([float(self.sums[k]) for k in keys], dtype=torch.float64),
-                          self.sums["hits"].double(), self.sums["counts"].double()])
-        if info.enabled:
-            flat = flat.to(info.device)
-            dist.all_reduce(flat)
-            flat = flat.cpu()
-        K = self.sums["hits"].shape[0]
-        out = {k: float(v) for k, v in zip(keys, flat[: len(keys)].tolist(), strict=True)}
-        out["hits"] = flat[len(keys) : len(keys) + K]
-        out["counts"] = flat[len(keys) + K :]
-        return out
 
 
 __all__ = [
