@@ -143,7 +143,7 @@ def test_head_hand_over_to_the_student():
 def test_head_init_from_target_lm_head_is_its_rank_r_truncation():
     """model.head_init = target_svd: the head's logits start as the target lm_head's rank-r
     truncated SVD applied to d (the state columns keep their random init)."""
-    from vllm_dlite.train.trainer import init_head_from_target
+    from vllm_dlite.train.recipe import init_head_from_target
 
     teacher, _ = make_pair()
     lm_head = torch.randn(V + 3, H, generator=torch.Generator().manual_seed(5))  # padded rows

@@ -590,7 +590,7 @@ def test_one_command_trains_a_drafter_for_another_local_qwen3(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     drafter = load_drafter(str(out))
     from vllm_dlite.config import build_target_layer_ids
-    from vllm_dlite.train.trainer import default_num_feature_layers
+    from vllm_dlite.train.recipe import default_num_feature_layers
 
     n = H.TARGET_LAYERS
     assert drafter.config.target_layer_ids == build_target_layer_ids(n, default_num_feature_layers(n))
