@@ -25,7 +25,8 @@ from vllm_dlite.train import losses
 from vllm_dlite.train.config import TrainConfig
 from vllm_dlite.train.data import SequenceBatch
 from vllm_dlite.train.distributed import DistInfo, no_sync
-from vllm_dlite.train.features import TargetFeatureExtractor, TargetHead, hs_file_path, read_hs_file
+from vllm_dlite.train.feature_files import read_batch_features
+from vllm_dlite.train.features import TargetFeatureExtractor, TargetHead
 
 
 class StageObjective:
@@ -53,27 +54,7 @@ class StageObjective:
             out = self.extractor(batch.input_ids, batch.attention_mask)
             S = batch.input_ids.shape[0]
             return out.features, torch.zeros(S, dtype=torch.long, device=out.features.device)
-        hs_dir = self.hs_dir
-        files = []
-        for row, s in enumerate(batch.seq_numbers):
-            f = read_hs_file(hs_file_path(hs_dir, s), layer_ids=self.layer_ids)
-            n = int(batch.lengths[row])
-            if f.token_ids.shape[0] != n or not torch.equal(
-                f.token_ids, batch.input_ids[row, :n].cpu()
-            ):
-                raise ValueError(
-                    f"{hs_file_path(hs_dir, s)} holds other tokens than sequence {s}: the feature "
-                    "files are stale; delete the features directory to rebuild them"
-                )
-            files.append(f)
-        T = max(f.features.shape[0] for f in files)
-        Lf, H = files[0].features.shape[1:]
-        rows = torch.zeros(len(files), T, Lf, H, dtype=files[0].features.dtype)
-        for row, f in enumerate(files):
-            rows[row, : f.features.shape[0]] = f.features
-        starts = torch.tensor([f.row_start for f in files], dtype=torch.long)
-        device = self.info.device
-        return rows.to(device), starts.to(device)
+        return read_batch_features(self.hs_dir, batch, self.layer_ids, self.info.device)
 
     def _autocast(self):
         if self.autocast_dtype is None:

@@ -38,6 +38,12 @@ Outputs: ``run.out`` receives the drafter checkpoint (``config.json`` + ``model.
 the authors' layout, :func:`vllm_dlite.model.save_pretrained`), ``README.md`` and
 ``training_report.json``; ``run.work_dir`` holds the regenerated data, feature files, the
 teacher, checkpoints and ``metrics.jsonl``.
+
+This module is the stage loop; its parts live in :mod:`~vllm_dlite.train.config` (the config),
+:mod:`~vllm_dlite.train.objective` (a micro-batch's loss), :mod:`~vllm_dlite.train.feature_files`,
+:mod:`~vllm_dlite.train.checkpointing`, :mod:`~vllm_dlite.train.distributed`,
+:mod:`~vllm_dlite.train.metrics`, :mod:`~vllm_dlite.train.recipe` and
+:mod:`~vllm_dlite.train.model_card`.
 """
 
 from __future__ import annotations
@@ -57,11 +63,7 @@ from torch import nn
 
 from vllm_dlite.config import DLiteConfig
 from vllm_dlite.model import DLiteDrafter, save_pretrained
-from vllm_dlite.model.teacher import (
-    HEAD_PREFIX,
-    SWATeacher,
-    default_history_layer_ids,
-)
+from vllm_dlite.model.teacher import HEAD_PREFIX, SWATeacher, default_history_layer_ids
 from vllm_dlite.train.checkpointing import (
     find_checkpoint,
     optimizer_state,
@@ -88,14 +90,8 @@ from vllm_dlite.train.distributed import (
     wait_for_file,
     wrap_model,
 )
-from vllm_dlite.train.features import (
-    HS_DIRNAME,
-    TargetFeatureExtractor,
-    TargetHead,
-    hs_file_path,
-    torch_dtype,
-    write_hs_file,
-)
+from vllm_dlite.train.feature_files import write_feature_files
+from vllm_dlite.train.features import HS_DIRNAME, TargetFeatureExtractor, TargetHead, torch_dtype
 from vllm_dlite.train.metrics import MetricsLog, MetricWindow
 from vllm_dlite.train.model_card import command_line, model_card
 from vllm_dlite.train.objective import StageObjective
@@ -304,65 +300,19 @@ class Trainer:
         d = self.cfg.data
         return Path(d.features_dir) if d.features_dir else self.work / "data" / "features_v1"
 
-    def _row_start(self, i: int) -> int:
-        """First stored feature row of sequence i: the teacher's window before the first anchor."""
-        W = max(self.cfg.model.teacher_window, 1)
-        return max(0, self.store.response_start(i) - W - 1)
-
     def _prepare_features(self) -> None:
-        """Files mode: every rank writes its share of missing ``hs_i`` files (i = store index),
-        rows ``_row_start(i)..T-1`` of the layers ``feature_aux_ids``."""
+        """Files mode: every rank writes its share of the missing feature files."""
         if self.cfg.data.feature_source != "files":
             return
-        cfg, info = self.cfg, self.info
-        hs_dir = self._features_dir() / HS_DIRNAME
-        source = dict(sequences=self.store.fingerprint(), layer_ids=self.feature_aux_ids,
-                      dtype=cfg.data.features_dtype, target=str(Path(cfg.target.path).resolve()),
-                      target_dtype=cfg.target.dtype, window=cfg.model.teacher_window)
-        source_file = self._features_dir() / "source.json"
-        if info.is_main:
-            known = json.loads(source_file.read_text()) if source_file.is_file() else None
-            if known != source:  # other sequences, layers or target: files are keyed by index
-                stale = list(hs_dir.glob("hs_*.safetensors")) if hs_dir.is_dir() else []
-                if stale:
-                    self._log_console(f"removing {len(stale)} feature files built for other "
-                                      f"data/target ({source_file})")
-                for path in stale:
-                    path.unlink()
-                hs_dir.mkdir(parents=True, exist_ok=True)
-                source_file.write_text(json.dumps(source, indent=2) + "\n")
-        barrier(info)
-        todo = [int(i) for i in self.train_indices[info.rank :: info.world_size]
-                if not hs_file_path(hs_dir, int(i)).exists()]
-        t0 = time.time()
-        if todo:
-            target_dtype = torch_dtype(cfg.target.dtype) or (
-                torch.float32 if info.device.type == "cpu" else "auto")
-            extractor = self.extractor or TargetFeatureExtractor.from_pretrained(
-                cfg.target.path, self.feature_aux_ids, dtype=target_dtype, device=info.device,
-                attn_implementation=cfg.target.attn_implementation,
-            )
-            store_dtype = torch_dtype(cfg.data.features_dtype)
-            iterator: Any = todo
-            if info.is_main and cfg.run.progress:
-                from tqdm.auto import tqdm
-
-                iterator = tqdm(todo, desc="target features", unit="seq", dynamic_ncols=True)
-            for i in iterator:
-                ids = torch.from_numpy(self.store.token_ids(i).astype(np.int64))
-                start = self._row_start(i)
-                feats = extractor(ids).features[0, start:]
-                write_hs_file(hs_file_path(hs_dir, i), ids,
-                              feats.to(store_dtype) if store_dtype else feats,
-                              extractor.layer_ids, row_start=start)
-            del extractor
-        barrier(info)
-        if info.is_main:
+        wall_s = write_feature_files(self.cfg, self._features_dir(), self.store,
+                                     self.train_indices, self.feature_aux_ids, self.info,
+                                     log=self._log_console)
+        if self.info.is_main:
             self.report.setdefault("features", dict(
                 dir=str(self._features_dir()), aux_layer_ids=self.feature_aux_ids,
-                dtype=cfg.data.features_dtype))
-            if todo:
-                self.report["features"]["wall_s"] = round(time.time() - t0, 1)
+                dtype=self.cfg.data.features_dtype))
+            if wall_s is not None:
+                self.report["features"]["wall_s"] = wall_s
 
     # ------------------------------------------------------------------ stage loop
     def _plan(self, stage: str, epoch: int) -> list[list[int]]:
