@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from vllm_dlite.train import losses
-from vllm_dlite.train.data import (
+from vllm_dlite.train.sequences import (
     SequenceStore,
     anchor_range,
     collate,

@@ -5,7 +5,7 @@ target-regenerated data as DLite.
 Pipeline (``python -m vllm_dlite.train.baselines --method eagle3|dflash|dspark ...``):
 
 1. **Sequences**: the regenerated JSONL of :mod:`vllm_dlite.train.data` (prompt + the target's own
-   greedy answer), read through :class:`~vllm_dlite.train.data.SequenceStore` exactly as DLite's
+   greedy answer), read through :class:`~vllm_dlite.train.sequences.SequenceStore` exactly as DLite's
    trainer reads it (sequences longer than ``--max-len`` keep their LAST tokens; sequences with
    at least one anchor). Each becomes one speculators row ``(input_ids, loss_mask)`` with
    ``loss_mask = 1`` on the response tokens; rows get a fixed shuffle (speculators validates on
@@ -169,7 +169,7 @@ def load_sequences(data: PathLike, max_len: Optional[int] = None) -> Sequences:
     ``max_len`` tokens) and every sequence with at least one anchor. ``loss_mask[p] = 1`` on the
     response tokens (``p >= prompt_len``).
     """
-    from vllm_dlite.train.data import SequenceStore
+    from vllm_dlite.train.sequences import SequenceStore
 
     path = Path(data)
     if path.is_dir():

@@ -1,6 +1,6 @@
 """DLite's own target-feature files for training (``data.feature_source: files``): the frozen
 target's features are computed once and stored per sequence as ``hs_<i>.safetensors`` (``i`` =
-:class:`~vllm_dlite.train.data.SequenceStore` index; the format of
+:class:`~vllm_dlite.train.sequences.SequenceStore` index; the format of
 :func:`~vllm_dlite.train.features.write_hs_file`) holding only the rows a drafter or teacher step
 can read, from :func:`first_stored_row` on. :func:`write_feature_files` (collective) has every
 rank write its share of the missing files, after rank 0 has removed files written for other
@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from vllm_dlite.train.config import TrainConfig
-from vllm_dlite.train.data import SequenceBatch, SequenceStore
 from vllm_dlite.train.distributed import DistInfo, barrier
 from vllm_dlite.train.features import (
     HS_DIRNAME,
@@ -29,6 +28,7 @@ from vllm_dlite.train.features import (
     torch_dtype,
     write_hs_file,
 )
+from vllm_dlite.train.sequences import SequenceBatch, SequenceStore
 
 SOURCE_FILE = "source.json"
 

@@ -23,10 +23,10 @@ from torch import nn
 from vllm_dlite.model.teacher import gather_history
 from vllm_dlite.train import losses
 from vllm_dlite.train.config import TrainConfig
-from vllm_dlite.train.data import SequenceBatch
 from vllm_dlite.train.distributed import DistInfo, no_sync
 from vllm_dlite.train.feature_files import read_batch_features
 from vllm_dlite.train.features import TargetFeatureExtractor, TargetHead
+from vllm_dlite.train.sequences import SequenceBatch
 
 
 class StageObjective:

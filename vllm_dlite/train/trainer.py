@@ -16,7 +16,7 @@ Stages (each its own AdamW + warm-up/cosine schedule; paper epochs 8 / 2 / 6):
 ``w_k = exp(-k / gamma)`` (0-based k), every loss normalised by the sum of ``w`` over the active
 positions, summed over ranks (:mod:`vllm_dlite.train.losses`). Anchors: up to
 ``data.anchors_per_seq`` (authors: 512) per sequence, uniform without replacement from the
-authors' range (:func:`vllm_dlite.train.data.anchor_range`), redrawn every epoch.
+authors' range (:func:`vllm_dlite.train.sequences.anchor_range`), redrawn every epoch.
 
 Target features (vLLM aux convention, pre-norm; the drafter/teacher apply the target's final norm
 to the last layer themselves) come ONLINE from the frozen target in every step (``data.
@@ -73,14 +73,7 @@ from vllm_dlite.train.checkpointing import (
     write_checkpoint,
 )
 from vllm_dlite.train.config import TrainConfig
-from vllm_dlite.train.data import (
-    RegenerationConfig,
-    SequenceStore,
-    collate,
-    plan_batches,
-    regenerate_in_subprocess,
-    regeneration_done,
-)
+from vllm_dlite.train.data import RegenerationConfig, regenerate_in_subprocess, regeneration_done
 from vllm_dlite.train.distributed import (
     DistInfo,
     agree,
@@ -102,6 +95,7 @@ from vllm_dlite.train.recipe import (
     param_groups,
     resolve_mask_token_id,
 )
+from vllm_dlite.train.sequences import SequenceStore, collate, plan_batches
 
 
 class StopTraining(Exception):
