@@ -12,7 +12,9 @@ import helpers_vllm as H
 import pytest
 import torch
 
+from vllm_dlite.train import baseline_features as BF
 from vllm_dlite.train import baselines as B
+from vllm_dlite.train import speculators_patches as SP
 
 K = 7
 N_SEQ = 8
@@ -61,24 +63,24 @@ def test_cpu_muon_orthogonalisation_matches_torch(shape):
 
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     coeffs = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
-    ours = B._newton_schulz_fp32(g, coeffs, 5, 1e-7)
+    ours = SP._newton_schulz_fp32(g, coeffs, 5, 1e-7)
     ref = _zeropower_via_newtonschulz(g, coeffs, 5, 1e-7).float()
     assert ours.shape == g.shape and ours.dtype == g.dtype
     assert (ours - ref).norm() / ref.norm() < 0.02
-    with B.cpu_safe_speculators():  # patched in while speculators trains, restored after
+    with SP.cpu_safe_speculators():  # patched in while speculators trains, restored after
         import torch.optim._muon as muon
 
-        assert muon._zeropower_via_newtonschulz is B._newton_schulz_fp32
+        assert muon._zeropower_via_newtonschulz is SP._newton_schulz_fp32
     assert muon._zeropower_via_newtonschulz is _zeropower_via_newtonschulz
 
 
 def test_default_layer_ids():
-    assert B.default_layer_ids("eagle3", 12) == [2, 6, 11]
-    assert B.default_layer_ids("dflash", 12) == [1, 3, 5, 8, 10, 12]
-    assert B.default_layer_ids("dspark", 12) == [1, 3, 5, 8, 10, 12]
-    assert B.store_layer_ids(12) == list(range(1, 13))
-    assert B.default_layer_ids("eagle3", 4) == [1, 2, 4]
-    assert B.file_layer_ids([2, 6, 11], 12) == [2, 6, 11, 12]
+    assert BF.default_layer_ids("eagle3", 12) == [2, 6, 11]
+    assert BF.default_layer_ids("dflash", 12) == [1, 3, 5, 8, 10, 12]
+    assert BF.default_layer_ids("dspark", 12) == [1, 3, 5, 8, 10, 12]
+    assert BF.store_layer_ids(12) == list(range(1, 13))
+    assert BF.default_layer_ids("eagle3", 4) == [1, 2, 4]
+    assert BF.file_layer_ids([2, 6, 11], 12) == [2, 6, 11, 12]
 
 
 def _backend_sample(target, features, layer_ids, row=0):
@@ -86,7 +88,7 @@ def _backend_sample(target, features, layer_ids, row=0):
 
     from hs_connectors import HiddenStatesBackend
 
-    backend = HiddenStatesBackend.registry[B.register_layer_backend()]
+    backend = HiddenStatesBackend.registry[SP.register_layer_backend()]
     args = argparse.Namespace(target_layer_ids=layer_ids, verifier_name_or_path=str(target),
                               hidden_states_path=None)
     return backend.from_train_args(args, str(features)).get_cached(row)
@@ -97,9 +99,9 @@ def test_feature_store_matches_vllm_convention(tiny, trained):
     backend returns ``aux layers + [id N]`` of the row's sequence."""
     features = tiny["work"] / f"features-{tiny['target'].name}"
     n = H.target_config(tiny["target"])["num_hidden_layers"]
-    meta = B.read_store_meta(features)
+    meta = BF.read_store_meta(features)
     assert meta["layer_ids"] == list(range(1, n + 1))
-    seqs = B.load_sequences(tiny["data"], 128)
+    seqs = BF.load_sequences(tiny["data"], 128)
     assert sorted(meta["file_index"]) == seqs.index  # every sequence, rows shuffled
     row = 0
     seq = seqs.input_ids[seqs.index.index(meta["file_index"][row])]
@@ -117,10 +119,10 @@ def test_feature_store_reuses_existing_files(tiny, trained, tmp_path, monkeypatc
     import vllm_dlite.train.features as F
 
     src = tiny["work"] / f"features-{tiny['target'].name}" / "hidden_states"
-    seqs = B.load_sequences(tiny["data"], 128)
+    seqs = BF.load_sequences(tiny["data"], 128)
     monkeypatch.setattr(F.TargetFeatureExtractor, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("features recomputed")))
-    store = B.write_feature_store(tiny["target"], seqs, tmp_path / "store", [1, 2, 3, 4],
+    store = BF.write_feature_store(tiny["target"], seqs, tmp_path / "store", [1, 2, 3, 4],
                                   reuse=src)
     assert not list((store / "hidden_states").iterdir())
     sample = _backend_sample(tiny["target"], store, [1, 3], row=len(seqs) - 1)
@@ -137,7 +139,7 @@ def test_exported_checkpoint(tiny, trained, method):
     assert cfg["speculators_model_type"] == method
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or cfg.get("aux_hidden_state_layer_ids")
-    assert ids == B.default_layer_ids(method, 4)
+    assert ids == BF.default_layer_ids(method, 4)
     layers = cfg["transformer_layer_config"]["num_hidden_layers"]
     assert layers == (1 if method == "eagle3" else 2)
     if method != "eagle3":
@@ -196,7 +198,7 @@ def test_shipped_baseline_is_what_vllm_expects(method):
         pytest.skip(f"no shipped {method} drafter")
     cfg = json.loads((out / "config.json").read_text())
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or cfg.get("aux_hidden_state_layer_ids")
-    assert ids == B.default_layer_ids(method, 12)
+    assert ids == BF.default_layer_ids(method, 12)
     # the steps it was trained for: EAGLE-3 its test-time-training steps (3, speculators' default;
     # vLLM still drafts K with it), DFlash its block (anchor + K)
     trained_for = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]

@@ -1,0 +1,200 @@
+"""Runtime patches that let ``speculators==0.9.0`` train the baselines of
+:mod:`vllm_dlite.train.baselines` here; nothing in site-packages is edited.
+:func:`register_layer_backend` adds the ``dlite_layers`` hidden-states backend (speculators' backend
+plugin interface) that reads each method's layers out of the shared store of
+:func:`~vllm_dlite.train.baseline_features.write_feature_store`; :func:`cpu_safe_speculators` is a
+context manager that, on a machine without an accelerator, replaces the accelerator-only calls
+of speculators' trainer (device placement, autocast, step timer, checkpoint device) and torch
+Muon's bf16 Newton-Schulz step by CPU equivalents, and restores them on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from vllm_dlite.train.baseline_features import FEATURES_META, file_layer_ids
+
+BACKEND_NAME = "dlite_layers"
+
+
+# =========================================================================== 3a. backend
+def register_layer_backend() -> str:
+    """Register (once) the ``dlite_layers`` hidden-states backend with hs_connectors.
+
+    speculators' ``file`` backend, extended for the stores of :func:`write_feature_store`: row
+    ``r`` of the table reads ``hs_{file_index[r]}`` (from the store, else from its ``reuse``
+    directory) and returns only ``target_layer_ids + [N]`` (the ids come from the file's
+    metadata), so one store serves every method. Returns the backend name.
+    """
+    from hs_connectors import FileBackend, FileTransfer, HiddenStatesBackend
+
+    if BACKEND_NAME in HiddenStatesBackend.registry:
+        return BACKEND_NAME
+
+    class LayerSelectTransfer(FileTransfer):
+        def __init__(self, hidden_states_path: Path, select: list[int],
+                     file_index: Optional[list[int]] = None, reuse: Optional[str] = None):
+            super().__init__(hidden_states_path)
+            self.select, self.file_index, self.reuse = select, file_index, reuse
+
+        def _pick(self, path: Path):
+            from vllm_dlite.train.features import read_hs_file
+
+            if not path.exists():
+                return None
+            hs = read_hs_file(path, layer_ids=self.select)
+            return {"hidden_states": hs.features, "token_ids": hs.token_ids}
+
+        def get_cached(self, file_idx: int):
+            i = self.file_index[file_idx] if self.file_index is not None else file_idx
+            path = self.hidden_states_path / f"hs_{i}.safetensors"
+            if not path.exists() and self.reuse:
+                path = Path(self.reuse) / f"hs_{i}.safetensors"
+            return self._pick(path)
+
+        def get_generated(self, hs_transfer_params):
+            handle = (hs_transfer_params.get("hidden_states_path")
+                      or hs_transfer_params.get("handle"))
+            return self._pick(Path(handle))
+
+    @HiddenStatesBackend.register(BACKEND_NAME)
+    class LayerSelectBackend(FileBackend):
+        @staticmethod
+        def add_train_args(parser: argparse.ArgumentParser) -> None:  # reuses --hidden-states-path
+            pass
+
+        @staticmethod
+        def from_train_args(args: argparse.Namespace, data_path: str) -> FileTransfer:
+            from speculators.models.utils import get_verifier_config
+
+            n = get_verifier_config(args.verifier_name_or_path).num_hidden_layers
+            ids = args.target_layer_ids
+            if not ids:
+                raise ValueError(f"the {BACKEND_NAME} backend needs explicit --target-layer-ids")
+            hs_path = getattr(args, "hidden_states_path", None)
+            path = Path(hs_path) if hs_path else Path(data_path) / "hidden_states"
+            meta_path = Path(data_path) / FEATURES_META
+            meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+            return LayerSelectTransfer(path, file_layer_ids(ids, n), meta.get("file_index"),
+                                       meta.get("reuse"))
+
+    return BACKEND_NAME
+
+
+# =========================================================================== 3b. CPU safety
+class _CpuStepTimer:
+    """Drop-in for speculators' ``_StepTimer`` without ``torch.accelerator.synchronize``."""
+
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self._marks: dict[str, float] = {}
+        self._memory: dict[str, float] = {}
+
+    def reset(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._marks.clear()
+
+    def mark(self, name: str) -> None:
+        if self.enabled:
+            self._marks[name] = time.perf_counter()
+
+    def mark_value(self, name: str, value: float) -> None:
+        if self.enabled:
+            self._marks[name] = value
+
+    def now(self) -> Optional[float]:
+        return time.perf_counter() if self.enabled else None
+
+    def profile(self, num_tokens: int) -> Optional[dict]:
+        if not self.enabled:
+            return None
+        m = self._marks
+        step_ms = (m["opt"] - m["start"]) * 1000
+        return {
+            "fetch_ms": (m["fetch"] - m["start"]) * 1000,
+            "fwd_ms": (m["fwd"] - m["fetch"]) * 1000,
+            "bwd_ms": (m["bwd"] - m["fwd"]) * 1000,
+            "opt_ms": (m["opt"] - m["bwd"]) * 1000,
+            "step_ms": step_ms,
+            "tokens_per_s": num_tokens / (step_ms / 1000) if step_ms > 0 else 0.0,
+        }
+
+
+def _newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                        eps: float) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz orthogonalisation (torch.optim.Muon's iteration and
+    coefficients), computed in float32: the CPU stand-in for torch's bf16 version."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).to(grad.dtype)
+
+
+@contextlib.contextmanager
+def cpu_safe_speculators() -> Iterator[None]:
+    """Make speculators' single-process trainer run on a machine without an accelerator.
+
+    speculators 0.9.0 assumes one: ``Trainer`` moves the model and batches to ``local_rank`` (an
+    int, i.e. ``cuda:0``), autocasts on ``"cuda"``, its step timer calls
+    ``torch.accelerator.synchronize()``, and resuming maps tensors to ``get_current_device()``
+    (``"cuda:0"`` when there is none). Patched here at runtime, restored on exit; a no-op when an
+    accelerator exists. The other CPU needs are plain flags (see :func:`speculators_argv`).
+
+    Also on CPU: torch's Muon (speculators' default optimizer) orthogonalises each update in
+    bfloat16, which a CPU without bf16 matrix units emulates ~100x slower than fp32 (1 vs 137
+    GFLOP/s for a 1024^2 matmul on the 2-core CI machine: 4.4 s of a 9 s DFlash step). The same
+    Newton-Schulz iteration runs in fp32 instead (:func:`_newton_schulz_fp32`).
+    """
+    if torch.accelerator.is_available():
+        yield
+        return
+    import speculators.train.checkpointer as ckpt_mod
+    import speculators.train.trainer as trainer_mod
+    import torch.optim._muon as muon_mod
+
+    saved = dict(
+        newton_schulz=muon_mod._zeropower_via_newtonschulz,
+        get_local_rank=trainer_mod.get_local_rank,
+        step_timer=trainer_mod._StepTimer,
+        init=trainer_mod.Trainer.__init__,
+        current_device=ckpt_mod.get_current_device,
+    )
+    original_init = saved["init"]
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.device_type = "cpu"  # torch.autocast("cpu", float32) is a (warned) no-op
+
+    muon_mod._zeropower_via_newtonschulz = _newton_schulz_fp32
+    trainer_mod.get_local_rank = lambda: "cpu"
+    trainer_mod._StepTimer = _CpuStepTimer
+    trainer_mod.Trainer.__init__ = init
+    ckpt_mod.get_current_device = lambda: "cpu"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CPU autocast.*")
+            warnings.filterwarnings("ignore", message=".*pin_memory.*")
+            yield
+    finally:
+        muon_mod._zeropower_via_newtonschulz = saved["newton_schulz"]
+        trainer_mod.get_local_rank = saved["get_local_rank"]
+        trainer_mod._StepTimer = saved["step_timer"]
+        trainer_mod.Trainer.__init__ = original_init
+        ckpt_mod.get_current_device = saved["current_device"]
+
+
+__all__ = ["BACKEND_NAME", "cpu_safe_speculators", "register_layer_backend"]
