@@ -21,9 +21,10 @@ import torch
 
 import helpers_vllm as H  # noqa: E402
 
-from vllm_dlite.vllm.adaptive import (ADDITIONAL_CONFIG_KEY, AcceptanceStats, AdaptiveController,
-                                      AdaptiveOptions, CostModel, Plan, check_runner, choose_lengths,
-                                      choose_source, confidence_cut)
+from vllm_dlite.vllm.adaptive import (ADDITIONAL_CONFIG_KEY, AdaptiveController, AdaptiveOptions,
+                                      Plan, check_runner)
+from vllm_dlite.vllm.adaptive_cost import (AcceptanceStats, CostModel, choose_lengths, choose_source,
+                                           confidence_cut)
 
 H.apply_vllm_env()
 torch.set_num_threads(1)
@@ -245,7 +246,7 @@ def test_controller_free_and_expensive_drafting_and_the_confidence_cut():
 
 def test_low_confidence_acceptance_is_measured():
     """A drafter whose unsure tokens are accepted anyway (the tests' copy drafter) is not cut."""
-    from vllm_dlite.vllm.adaptive import LowConfidenceStats, with_confidence
+    from vllm_dlite.vllm.adaptive_cost import LowConfidenceStats, with_confidence
 
     p = np.cumprod([0.8] * 4)
     assert with_confidence(p, 4, 0.1).tolist() == pytest.approx(p.tolist())

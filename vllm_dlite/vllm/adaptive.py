@@ -3,13 +3,14 @@
 Two speculative methods on top of ``"dlite"`` (Model Runner V1 only; see :func:`check_runner`):
 
 * ``"dlite-adaptive"``: each round, each request proposes ``0..k`` of the drafted tokens, chosen by
-  a **measured** cost model (:class:`CostModel`), the request's recent acceptance
-  (:class:`AcceptanceStats`, a running mean per draft position) and the head's own confidence
-  (the sequential head's probability of the token it drafted; from the first position below
-  ``confidence_threshold`` on, the draft's acceptance is predicted by the MEASURED acceptance of
-  such low-confidence tokens, prior 0.1, so the cost model cuts the draft there unless this
-  drafter's low-confidence tokens do get accepted). When nothing is expected to be gained the request
-  proposes 0 tokens, and when no request of the batch would gain, the drafter does not even run.
+  a **measured** cost model (:class:`~vllm_dlite.vllm.adaptive_cost.CostModel`), the request's
+  recent acceptance (:class:`~vllm_dlite.vllm.adaptive_cost.AcceptanceStats`, a running mean per
+  draft position) and the head's own confidence (the sequential head's probability of the token
+  it drafted; from the first position below ``confidence_threshold`` on, the draft's acceptance is
+  predicted by the MEASURED acceptance of such low-confidence tokens, prior 0.1, so the cost
+  model cuts the draft there unless this drafter's low-confidence tokens do get accepted). When
+  nothing is expected to be gained the request proposes 0 tokens, and when no request of the
+  batch would gain, the drafter does not even run.
 * ``"dlite-hybrid"``: the same, plus a second source per request and per round: vLLM's own n-gram
   matcher (``vllm.v1.spec_decode.ngram_proposer.NgramProposer``, over the request's whole context:
   prompt with tool output and earlier outputs) proposes when it finds a match of at least
@@ -31,8 +32,8 @@ unchanged; ``SpeculativeConfig`` rejects unknown keys).
 Cost model (measured online, no start-up calibration)
 -----------------------------------------------------
 One speculative cycle is a target step that verifies ``N`` tokens for ``B`` requests plus a draft
-round. :class:`CostModel` fits, by exponentially weighted least squares over the last
-``window`` observations,
+round. :class:`~vllm_dlite.vllm.adaptive_cost.CostModel` fits, by exponentially weighted least
+squares over the last ``window`` observations,
 
 * ``step(B, N) = a + c_req * B + c_tok * (N - B)``: the wall time from the end of one ``propose``
   to the start of the next (scheduling, input preparation, the target forward, rejection
@@ -70,12 +71,23 @@ probabilities (exact for a deterministic proposal).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
 import numpy as np
+
+from vllm_dlite.vllm.adaptive_cost import (
+    COST_KEYS,
+    SOURCES,
+    AcceptanceStats,
+    CostModel,
+    LowConfidenceStats,
+    choose_lengths,
+    choose_source,
+    confidence_cut,
+    with_confidence,
+)
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
@@ -83,8 +95,6 @@ METHOD_MODES = {"dlite-adaptive": "adaptive", "dlite-hybrid": "hybrid"}
 MODES = tuple(METHOD_MODES.values())
 OPTIONS_KEY = "dlite_options"  # in the user's speculative_config
 ADDITIONAL_CONFIG_KEY = "dlite_drafting"  # in VllmConfig.additional_config
-SOURCES = ("dlite", "ngram")
-COST_KEYS = ("step_s", "request_s", "token_s", "draft_s", "draft_request_s")
 
 
 # =========================================================================== options
@@ -193,255 +203,6 @@ def check_runner(options: Optional[AdaptiveOptions], where: str, async_schedulin
         raise ValueError(
             f"'method': '{method}' hands vLLM per-request draft lists, which Model Runner V1 accepts "
             "only without async scheduling: pass --no-async-scheduling (async_scheduling=False)")
-
-
-# =========================================================================== acceptance
-class AcceptanceStats:
-    """Running conditional acceptance per draft position, per request and source.
-
-    ``alpha[j]`` = P(draft position j accepted | positions < j accepted). Per request it is a
-    decayed count ``(acc_j + m g_j) / (n_j + m)`` whose prior ``g_j`` is the same mean over all
-    requests (itself starting at ``prior``), so a new request starts at the population's rate and
-    a position a request never proposed keeps the population's value."""
-
-    def __init__(self, k_max: int, prior: float = 0.6, strength: float = 2.0,
-                 request_decay: float = 0.8, global_decay: float = 0.98):
-        self.k_max = k_max
-        self.prior, self.strength = prior, strength
-        self.request_decay, self.global_decay = request_decay, global_decay
-        self._global = {s: (np.zeros(k_max), np.zeros(k_max)) for s in SOURCES}
-        self._req: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
-
-    def observe(self, req_id: str, source: str, proposed: int, accepted: int) -> None:
-        """One verification: ``accepted`` of the ``proposed`` drafts (positions past the first
-        rejection are not observed)."""
-        proposed = min(int(proposed), self.k_max)
-        accepted = max(0, min(int(accepted), proposed))
-        if proposed <= 0:
-            return
-        seen = min(accepted + 1, proposed)
-        x = np.zeros(seen)
-        x[:accepted] = 1.0
-        racc, rn = self._req.setdefault(req_id, {}).setdefault(source, (np.zeros(self.k_max), np.zeros(self.k_max)))
-        gacc, gn = self._global[source]
-        for acc, n, d in ((racc, rn, self.request_decay), (gacc, gn, self.global_decay)):
-            acc[:seen] = acc[:seen] * d + x
-            n[:seen] = n[:seen] * d + 1.0
-
-    def global_alpha(self, source: str) -> np.ndarray:
-        gacc, gn = self._global[source]
-        return (gacc + self.strength * self.prior) / (gn + self.strength)
-
-    def alpha(self, req_id: str, source: str) -> np.ndarray:
-        g = self.global_alpha(source)
-        rec = self._req.get(req_id, {}).get(source)
-        if rec is None:
-            return g
-        acc, n = rec
-        return (acc + self.strength * g) / (n + self.strength)
-
-    def cumulative(self, req_id: str, source: str) -> np.ndarray:
-        """``p[j]`` = P(the first j+1 drafts are all accepted)."""
-        return np.cumprod(self.alpha(req_id, source))
-
-    def expected_accepted(self, req_id: str, source: str, length: int) -> float:
-        return float(self.cumulative(req_id, source)[: max(0, length)].sum())
-
-    def forget(self, req_id: str) -> None:
-        self._req.pop(req_id, None)
-
-
-class LowConfidenceStats:
-    """Measured conditional acceptance of draft tokens at or after the first position whose head
-    probability is below the threshold (all requests; prior ``prior`` with ``strength``)."""
-
-    def __init__(self, prior: float = 0.1, strength: float = 2.0, decay: float = 0.98):
-        self.prior, self.strength, self.decay = prior, strength, decay
-        self.acc = self.n = 0.0
-
-    def observe(self, cut: int, proposed: int, accepted: int) -> None:
-        for j in range(cut, min(accepted + 1, proposed)):
-            self.acc = self.acc * self.decay + (1.0 if j < accepted else 0.0)
-            self.n = self.n * self.decay + 1.0
-
-    @property
-    def alpha(self) -> float:
-        return (self.acc + self.strength * self.prior) / (self.n + self.strength)
-
-
-def with_confidence(p: np.ndarray, cut: int, low_alpha: float) -> np.ndarray:
-    """``p`` (cumulative acceptance) with the conditional acceptance from position ``cut`` on
-    replaced by ``low_alpha``."""
-    out = np.array(p, dtype=float)
-    if cut < len(out):
-        start = out[cut - 1] if cut > 0 else 1.0
-        out[cut:] = start * low_alpha ** np.arange(1, len(out) - cut + 1)
-    return out
-
-
-# =========================================================================== cost model
-class _WeightedFit:
-    """Exponentially weighted least squares over the last ``window`` rows, with a tiny ridge
-    towards zero on every coefficient but the intercept (keeps it defined without variation);
-    observations above 3x the window's median are clipped to it (one-off stalls)."""
-
-    def __init__(self, num_features: int, window: int, decay: float):
-        self.num_features, self.window, self.decay = num_features, window, decay
-        self.x: list[list[float]] = []
-        self.y: list[float] = []
-        self._coef: Optional[np.ndarray] = None
-
-    def add(self, x: Sequence[float], y: float) -> None:
-        self.x.append([1.0, *map(float, x)])
-        self.y.append(float(y))
-        if len(self.y) > self.window:
-            del self.x[0], self.y[0]
-        self._coef = None
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def coef(self) -> Optional[np.ndarray]:
-        if not self.y:
-            return None
-        if self._coef is None:
-            X, y = np.asarray(self.x), np.asarray(self.y)
-            y = np.minimum(y, 3.0 * np.median(y))  # one-off stalls (first calls, a busy host)
-            w = np.sqrt(self.decay ** np.arange(len(y) - 1, -1, -1))
-            scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
-            A = np.vstack([X / scale * w[:, None], np.diag([0.0] + [1e-3] * (X.shape[1] - 1))])
-            b = np.concatenate([y * w, np.zeros(X.shape[1])])
-            self._coef = np.linalg.lstsq(A, b, rcond=None)[0] / scale
-        return self._coef
-
-
-class CostModel:
-    """Measured step and draft costs (seconds): see the module docstring."""
-
-    def __init__(self, fixed: Optional[dict] = None, window: int = 64, decay: float = 0.97):
-        self.fixed = None if fixed is None else {k: float(fixed.get(k, 0.0)) for k in COST_KEYS}
-        self._step = _WeightedFit(2, window, decay)  # x = (B, N - B)
-        self._draft = _WeightedFit(1, window, decay)  # x = (B,)
-        self._saw_plain = self._saw_drafts = False
-        self._step_count = 0
-        self._typical: Optional[tuple[int, float]] = None
-
-    # ---------------------------------------------------------------- observations
-    def observe_step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
-        drafts = num_tokens - batch_size
-        self._saw_plain |= drafts == 0
-        self._saw_drafts |= drafts > 0
-        self._step.add((batch_size, drafts), seconds)
-        self._step_count += 1
-
-    def observe_draft(self, batch_size: int, seconds: float) -> None:
-        self._draft.add((batch_size,), seconds)
-
-    @property
-    def ready(self) -> bool:
-        """Fixed, or measured with and without drafts (so the per-token slope is identified)."""
-        return self.fixed is not None or (self._saw_plain and self._saw_drafts and len(self._draft) > 0)
-
-    def typical_step_seconds(self) -> Optional[float]:
-        """Median verify step of the window (recomputed every 8 observations: it runs each round)."""
-        n = len(self._step)
-        if not n:
-            return None
-        if self._typical is None or self._typical[0] + 8 <= self._step_count or n < 8:
-            self._typical = (self._step_count, float(np.median(self._step.y)))
-        return self._typical[1]
-
-    # ---------------------------------------------------------------- predictions
-    def step_seconds(self, batch_size: int, num_tokens: Optional[int] = None) -> float:
-        """Verify step for ``batch_size`` requests and ``num_tokens`` tokens (default: no drafts)."""
-        num_tokens = batch_size if num_tokens is None else num_tokens
-        if self.fixed is not None:
-            f = self.fixed
-            return f["step_s"] + f["request_s"] * batch_size + f["token_s"] * (num_tokens - batch_size)
-        c = self._step.coef()
-        if c is None:
-            return 0.0
-        base = max(c[0] + c[1] * batch_size, 1e-6)
-        return base + self.token_seconds(batch_size) * (num_tokens - batch_size)
-
-    def token_seconds(self, batch_size: int = 1) -> float:
-        """Marginal cost of one more draft token in a verify step (>= 0)."""
-        if self.fixed is not None:
-            return self.fixed["token_s"]
-        c = self._step.coef()
-        return 0.0 if c is None else max(float(c[2]), 0.0)
-
-    def draft_seconds(self, batch_size: int) -> float:
-        if self.fixed is not None:
-            return self.fixed["draft_s"] + self.fixed["draft_request_s"] * batch_size
-        c = self._draft.coef()
-        if c is None:
-            return 0.0
-        return max(float(c[0] + c[1] * batch_size), 0.0)
-
-    def summary(self, batch_size: int = 1) -> dict:
-        return {"fixed": self.fixed is not None, "ready": self.ready,
-                "step_s": self.step_seconds(batch_size), "token_s": self.token_seconds(batch_size),
-                "draft_s": self.draft_seconds(batch_size), "batch_size": batch_size,
-                "step_samples": len(self._step), "draft_samples": len(self._draft)}
-
-
-# =========================================================================== decisions
-def confidence_cut(confidence: Sequence[float], threshold: float) -> int:
-    """Draft tokens to keep: up to (not including) the first whose head probability is below
-    ``threshold``."""
-    for j, c in enumerate(confidence):
-        if c < threshold:
-            return j
-    return len(confidence)
-
-
-@dataclass
-class Choice:
-    lengths: list[int]  # tokens to propose per row
-    rate: float  # predicted tokens/s of the chosen round
-    base_rate: float  # predicted tokens/s without speculation
-    speculate: bool
-
-
-def choose_lengths(p: Sequence[Sequence[float]], caps: Sequence[int], cost: CostModel,
-                   batch_size: Optional[int] = None, min_gain: float = 0.0,
-                   with_draft: bool = True) -> Choice:
-    """Draft lengths maximising predicted throughput.
-
-    ``p[i][j]``: probability that row i's first j+1 drafts are accepted (non-increasing in j);
-    ``caps[i]``: at most this many (confidence cut, k). Greedy: tokens in decreasing ``p`` join
-    while ``p > rate * c_tok`` (each raises ``(B + sum p) / (T0 + c_tok |S| + D)``). All zero when
-    the best rate does not beat ``B / T0`` by ``min_gain``."""
-    n = len(caps)
-    B = n if batch_size is None else batch_size
-    base = cost.step_seconds(B)
-    token_s = cost.token_seconds(B)
-    draft_s = cost.draft_seconds(B) if with_draft else 0.0
-    base_rate = B / base if base > 0 else math.inf
-    cands = sorted(((float(p[i][j]), j, i) for i in range(n) for j in range(min(caps[i], len(p[i])))),
-                   key=lambda t: (-t[0], t[1]))
-    lengths = [0] * n
-    tokens, seconds = float(B), base + draft_s
-    for pij, j, i in cands:
-        if j != lengths[i] or pij <= 0.0:
-            continue
-        if pij * seconds <= tokens * token_s:  # adding it would not raise the rate
-            break
-        tokens += pij
-        seconds += token_s
-        lengths[i] += 1
-    rate = tokens / seconds if seconds > 0 else math.inf
-    speculate = sum(lengths) > 0 and (rate > base_rate * (1.0 + min_gain) or base_rate == math.inf)
-    if not speculate:
-        lengths = [0] * n
-    return Choice(lengths, rate, base_rate, speculate)
-
-
-def choose_source(ngram_len: int, expected_ngram: float, expected_dlite: float) -> str:
-    """Hybrid: the n-gram proposes when it matched (``ngram_len > 0``) and is expected to get at
-    least as many tokens accepted as DLite for this request; else DLite."""
-    return "ngram" if ngram_len > 0 and expected_ngram >= expected_dlite else "dlite"
 
 
 # =========================================================================== per-request counters
@@ -691,8 +452,6 @@ def collect_stats(llm) -> Optional[dict]:
 
 
 __all__ = [
-    "ADDITIONAL_CONFIG_KEY", "AcceptanceStats", "AdaptiveController", "AdaptiveOptions", "CostModel",
-    "LowConfidenceStats", "with_confidence",
-    "METHOD_MODES", "OPTIONS_KEY", "Plan", "check_runner", "choose_lengths", "choose_source",
-    "collect_stats", "confidence_cut", "options_from_vllm_config",
+    "ADDITIONAL_CONFIG_KEY", "AdaptiveController", "AdaptiveOptions", "METHOD_MODES", "OPTIONS_KEY",
+    "Plan", "check_runner", "collect_stats", "options_from_vllm_config",
 ]
