@@ -68,8 +68,9 @@ def store_layer_ids(num_target_layers: int, extra: Sequence[Sequence[int]] = ())
 # =========================================================================== 1. sequences
 @dataclass
 class Sequences:
-    """Training rows: ``index[r]`` is the :class:`SequenceStore` index of row ``r`` (its feature
-    file is ``hs_{index[r]}``, the naming DLite's own feature files use too)."""
+    """Training rows: ``index[r]`` is the :class:`~vllm_dlite.train.sequences.SequenceStore`
+    index of row ``r`` (its feature file is ``hs_{index[r]}``, the naming DLite's own feature
+    files use too)."""
 
     index: list[int]
     input_ids: list[list[int]]
@@ -90,9 +91,9 @@ class Sequences:
 def load_sequences(data: PathLike, max_len: Optional[int] = None) -> Sequences:
     """Training rows from a regenerated JSONL (or a directory holding exactly one).
 
-    Same sequences as DLite's trainer: :class:`SequenceStore` (longer sequences keep their last
-    ``max_len`` tokens) and every sequence with at least one anchor. ``loss_mask[p] = 1`` on the
-    response tokens (``p >= prompt_len``).
+    Same sequences as DLite's trainer: :class:`~vllm_dlite.train.sequences.SequenceStore`
+    (longer sequences keep their last ``max_len`` tokens) and every sequence with at least one
+    anchor. ``loss_mask[p] = 1`` on the response tokens (``p >= prompt_len``).
     """
     from vllm_dlite.train.sequences import SequenceStore
 

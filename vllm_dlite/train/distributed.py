@@ -1,9 +1,10 @@
 """torch.distributed plumbing of :mod:`vllm_dlite.train`: the process group torchrun describes
 (:func:`init_distributed`, gloo on CPU, nccl on GPU; a single process needs none), the rank's
-:class:`DistInfo`, and the few collectives the stage loop relies on (:func:`barrier`,
-:func:`agree`, :func:`wrap_model` for DDP / FSDP2, :func:`no_sync`, :func:`full_model_state`).
-Every function is a no-op or a plain local call when ``world_size == 1``; the ones documented as
-collective must be called by every rank in the same order. Knows nothing of stages or models.
+:class:`DistInfo`, and what the stage loop does across ranks: :func:`barrier`, :func:`agree` (any
+rank's flag), :func:`wait_for_file` (a wait on rank 0's file without a collective),
+:func:`wrap_model` (DDP / FSDP2), :func:`no_sync` and :func:`full_model_state` (unsharded
+weights). With ``world_size == 1`` the collectives are no-ops; otherwise every rank must make
+them in the same order. Nothing here knows of stages or of the models trained.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class MetricWindow:
         return out
 
     def summary(self, info: DistInfo) -> Optional[dict[str, Any]]:
-        """Collective (:meth:`reduce`): on rank 0 the window's means over all ranks (loss and its
+        """Collective (:meth:`MetricWindow.reduce`): on rank 0 the window's means over all ranks (loss and its
         parts per micro-batch, per-position accuracy, the tau proxy, grad norm per step,
         throughput); None on the other ranks."""
         sums = self.reduce(info)

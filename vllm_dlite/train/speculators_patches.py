@@ -29,10 +29,11 @@ BACKEND_NAME = "dlite_layers"
 def register_layer_backend() -> str:
     """Register (once) the ``dlite_layers`` hidden-states backend with hs_connectors.
 
-    speculators' ``file`` backend, extended for the stores of :func:`write_feature_store`: row
-    ``r`` of the table reads ``hs_{file_index[r]}`` (from the store, else from its ``reuse``
-    directory) and returns only ``target_layer_ids + [N]`` (the ids come from the file's
-    metadata), so one store serves every method. Returns the backend name.
+    speculators' ``file`` backend, extended for the stores of
+    :func:`~vllm_dlite.train.baseline_features.write_feature_store`: row ``r`` of the table reads
+    ``hs_{file_index[r]}`` (from the store, else from its ``reuse`` directory) and returns only
+    ``target_layer_ids + [N]`` (the ids come from the file's metadata), so one store serves every
+    method. Returns the backend name.
     """
     from hs_connectors import FileBackend, FileTransfer, HiddenStatesBackend
 
@@ -152,7 +153,8 @@ def cpu_safe_speculators() -> Iterator[None]:
     int, i.e. ``cuda:0``), autocasts on ``"cuda"``, its step timer calls
     ``torch.accelerator.synchronize()``, and resuming maps tensors to ``get_current_device()``
     (``"cuda:0"`` when there is none). Patched here at runtime, restored on exit; a no-op when an
-    accelerator exists. The other CPU needs are plain flags (see :func:`speculators_argv`).
+    accelerator exists. The other CPU needs are plain flags (see
+    :func:`~vllm_dlite.train.baselines.speculators_argv`).
 
     Also on CPU: torch's Muon (speculators' default optimizer) orthogonalises each update in
     bfloat16, which a CPU without bf16 matrix units emulates ~100x slower than fp32 (1 vs 137
