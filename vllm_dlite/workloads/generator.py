@@ -10,8 +10,8 @@ Kinds:
   tools ``list_dir``, ``read_file``, ``grep``, ``run``, ``edit_file``. Tool results are real: the
   file listing, file contents, grep output over the tree, and the output of real commands
   (``wc``, ``python3 -c ...``) run in a scratch copy that carries the session's edits. Sessions
-  have >= 10 assistant turns; contexts grow from ~1k tokens to >= ~9k (60% of sessions), >= ~18k
-  (about 20%) or ~26-30k tokens (about 20%: long agent sessions fill a 32k window); assistant
+  have >= 10 assistant turns; contexts grow from ~1k tokens to >= ~9k (60% of sessions), ~18-22k
+  (about 20%) or ~22-29k tokens (about 20%: long agent sessions fill a 32k window); assistant
   turns are short.
 * ``code``: complete a function body given the preceding source of its file.
 * ``chat``: short one- or two-turn questions answered from stdlib docstrings.
@@ -383,7 +383,7 @@ def generate(kind: str, split: str, n: int, seed: int = 0) -> list[dict]:
         path = rng.choice(files)
         sid = f"{kind}-{split}-{seed}-{len(sessions):05d}"
         if kind == "agentic":
-            long = rng.random() < 0.4  # long sessions reach >= ~18k or ~26-30k tokens of context
+            long = rng.random() < 0.4  # long sessions reach ~18-22k or ~22-29k tokens of context
             s = agentic_session(rng, sid, path, long=long)
         else:
             s = BUILDERS[kind](rng, sid, path)
