@@ -20,7 +20,8 @@ Contract:
   ``--enable-prefix-caching``, ``--enable-prompt-tokens-details``, ``--max-num-seqs`` = the largest
   concurrency, max model len = the target's context, the speculative config of
   ``replay_engine.speculative_config`` and, with speculation, ``--per-request-spec-decode-metrics
-  summary``. One warm-up turn, then for each ``--concurrency`` level the prefix cache is emptied
+  summary``; ``--enforce-eager`` skips vLLM's model compilation (a faster start-up, the same
+  tokens; the test suite uses it). One warm-up turn, then for each ``--concurrency`` level the prefix cache is emptied
   (``POST /reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``) and ``c`` workers replay the sessions
   (each worker takes the next session and plays its turns in order).
 * **Per turn** (JSON): ``prompt_tokens`` and ``cached_tokens`` (the server's usage), TTFT (request
@@ -335,6 +336,8 @@ def server_flags(args, spec: dict | None) -> list[str]:
     flags = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
              "--max-num-seqs", str(max(args.concurrency)), "--enable-prefix-caching",
              "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prompt-tokens-details"]
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
     if spec is not None:
         flags += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
     return flags
@@ -419,7 +422,8 @@ def write_markdown(path: Path, settings: dict, results: dict) -> None:
              f"target `{s['target']}`, K={s['k']}, greedy, max {s['max_tokens']} new tokens per turn, "
              f"{s['sessions']} sessions x up to {s['max_turns'] or 'all'} turns ({s['turns']} turns, "
              f"{s['prompt_tokens_min']}-{s['prompt_tokens_max']} prompt tokens), recorded history, "
-             f"dtype {s['dtype']}, max model len {s['max_model_len']}, prefix caching on, device {s['device']}.", "",
+             f"dtype {s['dtype']}, max model len {s['max_model_len']}, prefix caching on"
+             f"{', eager (no compilation)' if s.get('enforce_eager') else ''}, device {s['device']}.", "",
              "| method | sessions at once | tau | TTFT ms (median) | TPOT ms (median) | output tok/s | "
              "prefix-cache hit rate | drafts / draft tokens per turn | TTFT over none ms (median) | "
              "session wall s (mean / max) | identical to none |",
@@ -523,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per turn")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="servers without vLLM's model compilation (faster start-up; the suite's smoke run)")
     ap.add_argument("--timeout-s", type=float, default=3600, help="per request")
     ap.add_argument("--server-timeout-s", type=float, default=900, help="server start-up")
     args = ap.parse_args(argv)
@@ -565,8 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(
         workload=args.workload, target=args.target, k=args.k, temperature=0.0, max_tokens=args.max_tokens,
-        dtype=args.dtype, seed=args.seed, concurrency=args.concurrency, sessions=len(sessions),
-        max_turns=args.max_turns or None, turns=len(lengths), prompt_tokens_min=min(lengths),
+        dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager, concurrency=args.concurrency,
+        sessions=len(sessions), max_turns=args.max_turns or None, turns=len(lengths), prompt_tokens_min=min(lengths),
         prompt_tokens_max=max(lengths), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
         drafters={m: getattr(args, m) for m in ("dlite", "eagle3", "dflash")
