@@ -27,6 +27,9 @@ Contract (loopback only; bounded by ``--requests``, ``--rounds`` and the timeout
 5. **Corrupted drafter checkpoints** (truncated ``model.safetensors``, a missing tensor, a wrong
    dtype, a wrong shape): ``vllm serve`` must exit non-zero and its log must name the file.
 
+``--enforce-eager`` starts every server without vLLM's model compilation (same tokens, a faster
+start-up; ``tests/test_serving_faults.py`` uses it).
+
 Writes ``OUT/results.json`` (every figure) and ``OUT/results.md``; exits 1 if any check fails.
 """
 
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512,
                     help="prefill chunk / step token budget of both servers (long prompts take several steps)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="every server without vLLM's model compilation (faster start-up; the test suite's run)")
     ap.add_argument("--timeout-s", type=float, default=900, help="per round")
     ap.add_argument("--corrupt", default=",".join(CHECKPOINT_FAULTS),
                     help=f"corrupted-checkpoint start-ups to try, comma-separated from {','.join(CHECKPOINT_FAULTS)} "
@@ -248,13 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--enable-auto-tool-choice",
               "--tool-call-parser", "hermes", "--max-num-seqs", str(args.requests), "--seed", str(args.seed),
               "--block-size", str(bs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.enforce_eager:
+        common.append("--enforce-eager")
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(target=args.target, drafter=args.drafter, k=args.k, temperature=0.0, requests=len(requests),
                     prompt_tokens=[r["prompt_tokens"] for r in requests], max_tokens=args.max_tokens,
                     max_model_len=args.max_model_len, block_size=bs, kv_blocks=kv_blocks, kv_tokens=bs * kv_blocks,
                     kv_tokens_needed_at_once=bs * need_blocks, rounds=args.rounds, abort_fraction=args.abort_fraction,
-                    seed=args.seed, device="cpu", command="python benchmarks/serve_load.py " +
+                    seed=args.seed, enforce_eager=args.enforce_eager, device="cpu", command="python benchmarks/serve_load.py " +
                     " ".join(argv if argv is not None else sys.argv[1:]))
     print(json.dumps({k: v for k, v in settings.items() if k != "prompt_tokens"}), flush=True)
     results: dict = dict(settings=settings)
@@ -398,7 +405,8 @@ def write_markdown(path: Path, res: dict) -> None:
         f"target `{s['target']}`, drafter `{s['drafter']}`, K={s['k']}, greedy, {s['requests']} concurrent streamed "
         f"chat requests with tools per round ({min(s['prompt_tokens'])}-{max(s['prompt_tokens'])} prompt tokens, "
         f"max {s['max_tokens']} new, max model len {s['max_model_len']}), {s['abort_fraction']:.0%} aborted, KV pool "
-        f"{s['kv_tokens']:,} tokens for {s['kv_tokens_needed_at_once']:,} needed at once, device {s['device']}.", "",
+        f"{s['kv_tokens']:,} tokens for {s['kv_tokens_needed_at_once']:,} needed at once"
+        f"{', eager (no compilation)' if s.get('enforce_eager') else ''}, device {s['device']}.", "",
         "| round | sent | completed | aborted | mismatches | prefix mismatches | preemptions | errors | wall s | "
         "RSS MiB at end |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
