@@ -10,7 +10,7 @@ from paths import REPO
 
 # In-process engine core: no spawned worker, so tests can build LLM(...) without __main__ guards.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: ~87k tokens of the shipped target
 
 
 @contextlib.contextmanager
@@ -19,6 +19,6 @@ def vllm_server(model: Path, *args: str, timeout_s: float = 600, env: dict | Non
     yields the base URL, stops the server on exit; start-up failures raise with the log's end."""
     from vllm_dlite.vllm.server import VLLMServer
 
-    with VLLMServer(model, *args, env={"VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}, timeout_s=timeout_s,
+    with VLLMServer(model, *args, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, timeout_s=timeout_s,
                     cwd=REPO) as server:
         yield server.base_url
