@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="shard the target over N workers (on CPU each rank gets its own cores)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="skip vLLM's model compilation: a faster start-up, the same tokens")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--json", help="also write the reply and the spec-decode counters here")
     args = ap.parse_args()
@@ -54,6 +56,8 @@ def main() -> None:
     spec = {"method": "dlite", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
     flags = ["--dtype", "float32", "--max-model-len", "16384", "--enable-auto-tool-choice",
              "--tool-call-parser", "hermes", "--speculative-config", json.dumps(spec)]
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     if args.tensor_parallel_size > 1:
         from vllm_dlite.vllm.replay_engine import tensor_parallel_env

@@ -8,8 +8,9 @@ Shipped tiny target + DLite drafter, fp32, K = 7, greedy, the 16 held-out turns 
 * every rank drafts alone from the all-reduced (full-width) aux hidden states and a full copy of
   the vocabulary-parallel embedding / lm_head, so TP=2 drafts as TP=1 does: same number of drafts,
   same accepted tokens per position, hence the same tau;
-* ``examples/serve_dlite.py --tensor-parallel-size 2``: ``vllm serve`` with DLite answers a chat
-  completion with tools (valid JSON arguments) and counts drafts in ``/metrics``.
+* ``examples/serve_dlite.py --tensor-parallel-size 2 --enforce-eager``: ``vllm serve`` with DLite
+  answers a chat completion with tools (valid JSON arguments) and counts drafts in ``/metrics``
+  (eager: compilation would add ~25-45 s to the start-up; the compiled TP=2 model is the engine above).
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def test_serve_with_tensor_parallel_2(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the example pins one core per rank itself
     proc = subprocess.run([sys.executable, str(REPO / "examples/serve_dlite.py"), "--tensor-parallel-size", "2",
-                           "--max-tokens", "32", "--json", str(out)],
+                           "--enforce-eager", "--max-tokens", "32", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert "--tensor-parallel-size" in report["command"]
+    assert "--tensor-parallel-size" in report["command"] and "--enforce-eager" in report["command"]
     assert report["usage"]["completion_tokens"] > 0
     assert report["content"] or report["tool_calls"]
     for call in report["tool_calls"]:
