@@ -105,9 +105,14 @@ def test_agentic_sessions_shape(tok, heldout_agentic):
     assert max(longest) <= 30000
 
 
-def test_replay_one_request_per_assistant_turn(tok, heldout_agentic):
+def test_replay_one_request_per_assistant_turn(tok, heldout_agentic, tmp_path):
     s = heldout_agentic[0]
-    reqs = load_replay(str(WORKLOADS / "heldout_agentic.jsonl"), tok, max_turns_per_session=100)
+    # the shipped file's first session alone (replaying all 24 sessions' turns, up to ~29k tokens each,
+    # only to keep this one's would take most of the test's time)
+    one = tmp_path / "first_session.jsonl"
+    one.write_text((WORKLOADS / "heldout_agentic.jsonl").read_text().splitlines()[0] + "\n")
+    reqs = load_replay(str(one), tok, max_turns_per_session=100)
+    assert {r.session_id for r in reqs} == {s["id"]}
     mine = [r for r in reqs if r.session_id == s["id"]]
     assert [r.turn for r in mine] == [i for i, m in enumerate(s["messages"]) if m["role"] == "assistant"]
     assert all(len(a.prompt_token_ids) < len(b.prompt_token_ids) for a, b in zip(mine, mine[1:]))
