@@ -571,7 +571,8 @@ def test_one_command_trains_a_drafter_for_another_local_qwen3(tmp_path):
     """The documented one-liner (``python -m vllm_dlite.train --target DIR --out DIR``) on a local
     HF Qwen3 model it has never seen: regenerates on-policy data with vLLM, picks the layers,
     trains teacher -> kl -> stable, exports a loadable drafter and evaluates it offline.
-    Only the sizes are shrunk (``--set``) so it runs in about two minutes on a CPU."""
+    Only the sizes are shrunk (``--set``) so it runs in about two minutes on a CPU, and the
+    regeneration engine runs eager (``extra_llm_kwargs``: vLLM's compilation only slows its start-up)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import helpers_vllm as H
 
@@ -583,6 +584,7 @@ def test_one_command_trains_a_drafter_for_another_local_qwen3(tmp_path):
            "--work-dir", str(tmp_path / "work"),
            "--set", "data.regenerate.kinds={agentic: 0, code: 2, chat: 3}",
            "--set", "data.regenerate.max_new_tokens=24", "--set", "data.max_len=512",
+           "--set", "data.regenerate.extra_llm_kwargs={enforce_eager: true}",
            "--set", "epochs={teacher: 1, kl: 1, stable: 1}",
            "--set", "eval.kinds={chat: 2}", "--set", "eval.max_new_tokens=8", "--set", "run.progress=false"]
     proc = subprocess.run(cmd, env={**os.environ, **H.vllm_env()}, capture_output=True, text=True,
