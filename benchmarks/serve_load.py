@@ -28,7 +28,9 @@ Contract (loopback only; bounded by ``--requests``, ``--rounds`` and the timeout
    dtype, a wrong shape): ``vllm serve`` must exit non-zero and its log must name the file.
 
 ``--enforce-eager`` starts every server without vLLM's model compilation (same tokens, a faster
-start-up; ``tests/test_serving_faults.py`` uses it).
+start-up) and ``--overlap-startup`` starts the DLite server and the corrupted-checkpoint start-ups
+(5.) while the reference server (2.) starts and answers (CPU only; on one GPU they would compete for
+memory); ``tests/test_serving_faults.py`` uses both. Neither changes what is checked.
 
 Writes ``OUT/results.json`` (every figure) and ``OUT/results.md``; exits 1 if any check fails.
 """
@@ -43,6 +45,7 @@ import shutil
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,6 +204,28 @@ def corrupt(src: Path, dst: Path, how: str) -> Path:
     return dst / "model.safetensors"
 
 
+def corrupt_startup(args, how: str, spec: dict, common: list[str], env: dict) -> dict:
+    """``vllm serve`` with a copy of the drafter damaged ``how``: its exit code, whether its log
+    names the damaged file (an error line), how long it took."""
+    from vllm_dlite.vllm.server import ServerStartError, VLLMServer
+
+    work = args.out / f"corrupt-{how}"
+    shutil.rmtree(work, ignore_errors=True)
+    f = corrupt(Path(args.drafter), work, how)
+    flags = [*common, "--speculative-config", json.dumps({**spec, "model": str(work)})]
+    t0 = time.time()
+    try:
+        with VLLMServer(args.target, *flags, env=env, timeout_s=300, log_path=args.out / f"corrupt-{how}.log"):
+            rc, tail = 0, ""
+    except ServerStartError as exc:
+        rc, tail = exc.returncode, exc.log_tail
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lines = [ln for ln in tail.splitlines() if str(f) in ln and ("Error" in ln or "error" in ln)]
+    return dict(returncode=rc, wall_s=round(time.time() - t0, 1), names_file=bool(lines),
+                error=lines[-1][-300:] if lines else None)
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every server without vLLM's model compilation (faster start-up; the test suite's run)")
+    ap.add_argument("--overlap-startup", action="store_true",
+                    help="start the DLite server and the corrupted-checkpoint start-ups while the reference server "
+                         "starts and answers (CPU: each needs a core; on one GPU they would compete for memory)")
     ap.add_argument("--timeout-s", type=float, default=900, help="per round")
     ap.add_argument("--corrupt", default=",".join(CHECKPOINT_FAULTS),
                     help=f"corrupted-checkpoint start-ups to try, comma-separated from {','.join(CHECKPOINT_FAULTS)} "
@@ -241,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from vllm_dlite.vllm.server import ServerStartError, VLLMServer
+    from vllm_dlite.vllm.server import VLLMServer
 
     t_start = time.time()
     tok = AutoTokenizer.from_pretrained(args.target)
@@ -261,34 +289,46 @@ def main(argv: list[str] | None = None) -> int:
                     prompt_tokens=[r["prompt_tokens"] for r in requests], max_tokens=args.max_tokens,
                     max_model_len=args.max_model_len, block_size=bs, kv_blocks=kv_blocks, kv_tokens=bs * kv_blocks,
                     kv_tokens_needed_at_once=bs * need_blocks, rounds=args.rounds, abort_fraction=args.abort_fraction,
-                    seed=args.seed, enforce_eager=args.enforce_eager, device="cpu", command="python benchmarks/serve_load.py " +
-                    " ".join(argv if argv is not None else sys.argv[1:]))
+                    seed=args.seed, enforce_eager=args.enforce_eager, overlap_startup=args.overlap_startup,
+                    device="cpu",
+                    command="python benchmarks/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(json.dumps({k: v for k, v in settings.items() if k != "prompt_tokens"}), flush=True)
     results: dict = dict(settings=settings)
     failures: list[str] = []
     bad = bad_inputs(args.target, args.max_model_len, requests[0]["body"])
 
-    # 2. reference answers and error responses, no speculation
-    print("[reference] server without speculation", flush=True)
-    with VLLMServer(args.target, *common, env=env, log_path=args.out / "reference.log") as ref:
-        t0 = time.time()
-        reference = asyncio.run(run_round(ref.base_url, args.target, requests, {}, args.timeout_s))
-        ref_errors = {name: asyncio.run(post_raw(ref.base_url, body)) for name, body in bad.items()}
-        results["reference"] = dict(wall_s=round(time.time() - t0, 1),
-                                    statuses=sorted({r["status"] for r in reference}))
-    bad_ref = [i for i, r in enumerate(reference) if r["status"] != 200 or r["finish_reason"] is None]
-    if bad_ref:
-        failures.append(f"reference server failed requests {bad_ref}")
-
-    # 3. load with aborts on the DLite server with a small KV pool
-    print(f"[dlite] server with DLite, KV pool {kv_blocks} blocks", flush=True)
-    rng = random.Random(args.seed)
-    rounds = []
-    # admit requests by their first prefill chunk, not their whole prompt: the small pool over-commits
-    # and vLLM must preempt running requests (with the default it would only queue them)
+    # the DLite server of 3.: admits requests by their first prefill chunk, not their whole prompt, so
+    # the small pool over-commits and vLLM must preempt running requests (with the default it would
+    # only queue them). With --overlap-startup it and the corrupted-checkpoint start-ups of 5. start in
+    # the background while the reference server starts and answers.
     dlite_flags = [*common, "--num-gpu-blocks-override", str(kv_blocks), "--no-scheduler-reserve-full-isl",
                    "--speculative-config", json.dumps(spec)]
-    with VLLMServer(args.target, *dlite_flags, env=env, log_path=args.out / "dlite.log") as server:
+    server = VLLMServer(args.target, *dlite_flags, env=env, log_path=args.out / "dlite.log")
+    pool = ThreadPoolExecutor(1 + len(corruptions)) if args.overlap_startup else None
+    started = pool.submit(server.start) if pool else None
+    corrupt_runs = {how: pool.submit(corrupt_startup, args, how, spec, common, env)
+                    for how in (corruptions if pool else ())}
+    try:
+        # 2. reference answers and error responses, no speculation
+        print("[reference] server without speculation", flush=True)
+        with VLLMServer(args.target, *common, env=env, log_path=args.out / "reference.log") as ref:
+            t0 = time.time()
+            reference = asyncio.run(run_round(ref.base_url, args.target, requests, {}, args.timeout_s))
+            ref_errors = {name: asyncio.run(post_raw(ref.base_url, body)) for name, body in bad.items()}
+            results["reference"] = dict(wall_s=round(time.time() - t0, 1),
+                                        statuses=sorted({r["status"] for r in reference}))
+        bad_ref = [i for i, r in enumerate(reference) if r["status"] != 200 or r["finish_reason"] is None]
+        if bad_ref:
+            failures.append(f"reference server failed requests {bad_ref}")
+
+        # 3. load with aborts on the DLite server with a small KV pool
+        print(f"[dlite] server with DLite, KV pool {kv_blocks} blocks", flush=True)
+        rng = random.Random(args.seed)
+        rounds = []
+        if started is None:
+            server.start()
+        else:
+            started.result()  # raises its ServerStartError
         with RssSampler(server) as rss:
             preempted = 0.0
             for rnd in range(args.rounds + 1):
@@ -331,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         dlite_errors = {name: asyncio.run(post_raw(server.base_url, body)) for name, body in bad.items()}
         after_bad = asyncio.run(run_round(server.base_url, args.target, requests[:1], {}, args.timeout_s))[0]
         alive_after_bad = server.alive()
+    finally:
+        if started is not None:
+            started.exception()  # let a background start finish before stopping its server
+        server.stop()
+        if pool is not None:
+            pool.shutdown(wait=True)
     warm = rounds[0]["rss_bytes_end"]
     growth = rounds[-1]["rss_bytes_end"] / warm - 1 if warm else float("nan")
     results["load"] = dict(
@@ -369,26 +415,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # 5. corrupted drafter checkpoints: start-up fails, naming the file
     results["corrupt_checkpoint"] = {}
-    if corruptions:
-        for how in corruptions:
-            work = args.out / f"corrupt-{how}"
-            shutil.rmtree(work, ignore_errors=True)
-            f = corrupt(Path(args.drafter), work, how)
-            flags = [*common, "--speculative-config", json.dumps({**spec, "model": str(work)})]
-            t0 = time.time()
-            try:
-                with VLLMServer(args.target, *flags, env=env, timeout_s=300, log_path=args.out / f"corrupt-{how}.log"):
-                    rc, tail = 0, ""
-            except ServerStartError as exc:
-                rc, tail = exc.returncode, exc.log_tail
-            lines = [ln for ln in tail.splitlines() if str(f) in ln and ("Error" in ln or "error" in ln)]
-            results["corrupt_checkpoint"][how] = dict(returncode=rc, wall_s=round(time.time() - t0, 1),
-                                                      names_file=bool(lines), error=lines[-1][-300:] if lines else None)
-            print(f"[corrupt] {how}: exit {rc} in {time.time() - t0:.0f} s: {lines[-1][-200:] if lines else 'NO MESSAGE'}",
-                  flush=True)
-            if rc in (0, None) or not lines:
-                failures.append(f"corrupted checkpoint ({how}): exit {rc}, file named: {bool(lines)}")
-            shutil.rmtree(work, ignore_errors=True)
+    for how in corruptions:
+        c = corrupt_runs[how].result() if how in corrupt_runs else corrupt_startup(args, how, spec, common, env)
+        results["corrupt_checkpoint"][how] = c
+        print(f"[corrupt] {how}: exit {c['returncode']} in {c['wall_s']:.0f} s: "
+              f"{c['error'][-200:] if c['error'] else 'NO MESSAGE'}", flush=True)
+        if c["returncode"] in (0, None) or not c["names_file"]:
+            failures.append(f"corrupted checkpoint ({how}): exit {c['returncode']}, file named: {c['names_file']}")
 
     results["wall_s"] = round(time.time() - t_start, 1)
     results["failures"] = failures

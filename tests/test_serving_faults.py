@@ -5,7 +5,8 @@ Smaller than the benchmark's defaults so the suite stays short (64 concurrent st
 with tools per round, prompts up to the 1,024-token context, 25% aborted, a KV pool with room for two
 max-length requests that admits requests by their first prefill chunk, a warm-up and two measured
 rounds; servers in eager mode, ``--enforce-eager``: compilation would add ~25-45 s to each start-up
-and changes nothing checked here), same checks:
+and changes nothing checked here; ``--overlap-startup``: the DLite server and the corrupted-checkpoint
+start-up launch while the reference server runs), same checks:
 
 * every completed stream equals the greedy reply of a server without speculation, token for token,
   and every aborted stream is a prefix of it; no 5xx; the server stays up; vLLM preempted;
@@ -43,7 +44,7 @@ def report(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks/serve_load.py"), "--out", str(out),
                            "--requests", str(REQUESTS), "--rounds", str(ROUNDS), "--abort-fraction", str(ABORT),
                            "--max-model-len", "1024", "--max-tokens", "24", "--corrupt", "truncated",
-                           "--enforce-eager"],
+                           "--enforce-eager", "--overlap-startup"],
                           cwd=REPO, capture_output=True, text=True, timeout=1800)
     results = out / "results.json"
     assert results.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -61,7 +62,7 @@ def test_no_mismatch_no_5xx_server_up(report):
         assert r["completed"] + r["aborted"] == REQUESTS, r["errors"]
         assert (r["mismatches"], r["prefix_mismatches"]) == (0, 0)
         assert not r["errors"]
-    assert report["settings"]["enforce_eager"]
+    assert report["settings"]["enforce_eager"] and report["settings"]["overlap_startup"]
     assert max(report["settings"]["prompt_tokens"]) + report["settings"]["max_tokens"] > 0.9 * 1024
     assert load["preemptions"] > 0, "the KV pool did not force preemption"
     assert load["spec_decode"]["vllm:spec_decode_num_drafts_total"] > 0
