@@ -21,9 +21,11 @@ Contract:
   concurrency, max model len = the target's context, the speculative config of
   ``replay_engine.speculative_config`` and, with speculation, ``--per-request-spec-decode-metrics
   summary``; ``--enforce-eager`` skips vLLM's model compilation (a faster start-up, the same
-  tokens; the test suite uses it). One warm-up turn, then for each ``--concurrency`` level the prefix cache is emptied
-  (``POST /reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``) and ``c`` workers replay the sessions
-  (each worker takes the next session and plays its turns in order).
+  tokens) and ``--parallel-methods`` replays every method at once, each on its own server (same
+  tokens and counters, timings not comparable); the test suite's smoke run uses both. One warm-up
+  turn, then for each ``--concurrency`` level the prefix cache is emptied (``POST
+  /reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``) and ``c`` workers replay the sessions (each
+  worker takes the next session and plays its turns in order).
 * **Per turn** (JSON): ``prompt_tokens`` and ``cached_tokens`` (the server's usage), TTFT (request
   sent -> first streamed token), TPOT ((last token - first token) / (tokens - 1)), output tok/s
   (tokens / request time), the request's own spec-decode record (vLLM's per-request histogram:
@@ -423,7 +425,9 @@ def write_markdown(path: Path, settings: dict, results: dict) -> None:
              f"{s['sessions']} sessions x up to {s['max_turns'] or 'all'} turns ({s['turns']} turns, "
              f"{s['prompt_tokens_min']}-{s['prompt_tokens_max']} prompt tokens), recorded history, "
              f"dtype {s['dtype']}, max model len {s['max_model_len']}, prefix caching on"
-             f"{', eager (no compilation)' if s.get('enforce_eager') else ''}, device {s['device']}.", "",
+             f"{', eager (no compilation)' if s.get('enforce_eager') else ''}"
+             f"{', methods replayed at once (timings not comparable)' if s.get('parallel_methods') else ''}"
+             f", device {s['device']}.", "",
              "| method | sessions at once | tau | TTFT ms (median) | TPOT ms (median) | output tok/s | "
              "prefix-cache hit rate | drafts / draft tokens per turn | TTFT over none ms (median) | "
              "session wall s (mean / max) | identical to none |",
@@ -529,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true",
                     help="servers without vLLM's model compilation (faster start-up; the suite's smoke run)")
+    ap.add_argument("--parallel-methods", action="store_true",
+                    help="replay all methods at once, each on its own server (a smoke run on a CPU with a core per "
+                         "server: the same tokens and counters, but timings that are not comparable)")
     ap.add_argument("--timeout-s", type=float, default=3600, help="per request")
     ap.add_argument("--server-timeout-s", type=float, default=900, help="server start-up")
     args = ap.parse_args(argv)
@@ -571,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(
         workload=args.workload, target=args.target, k=args.k, temperature=0.0, max_tokens=args.max_tokens,
-        dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager, concurrency=args.concurrency,
+        dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
+        parallel_methods=args.parallel_methods, concurrency=args.concurrency,
         sessions=len(sessions), max_turns=args.max_turns or None, turns=len(lengths), prompt_tokens_min=min(lengths),
         prompt_tokens_max=max(lengths), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
@@ -582,7 +590,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(settings), flush=True)
     t0 = time.time()
-    results = {m: run_method(args, m, sessions) for m in methods}
+    if args.parallel_methods:  # every method's server at once: a smoke run, timings not comparable
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(methods)) as pool:
+            results = dict(zip(methods, pool.map(lambda m: run_method(args, m, sessions), methods)))
+    else:
+        results = {m: run_method(args, m, sessions) for m in methods}
     outputs = {m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}
     add_comparisons(results, outputs)
     settings["wall_s"] = round(time.time() - t0, 1)

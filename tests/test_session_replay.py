@@ -2,8 +2,9 @@
 
 Fast: turn construction from a session, the request body, /metrics deltas, per-request spec-decode
 records, stream timings, output comparison. Slow: 1 session x 3 turns with none and dlite at
-concurrency 1 (two servers, ``--enforce-eager``: vLLM's compilation would add ~25-50 s to each
-start-up and changes nothing checked here), checking the JSON fields and that dlite's replies equal none's."""
+concurrency 1 (two servers, run side by side with ``--parallel-methods``, and ``--enforce-eager``:
+vLLM's compilation would add ~25-50 s to each start-up; neither changes anything checked here),
+checking the JSON fields and that dlite's replies equal none's."""
 
 from __future__ import annotations
 
@@ -141,11 +142,13 @@ def test_session_replay_none_and_dlite_identical(tmp_path, monkeypatch):
     out = tmp_path / "sr"
     t0 = time.time()
     rc = sr.main(["--methods", "none,dlite", "--concurrency", "1", "--max-sessions", "1", "--max-turns", "3",
-                  "--max-tokens", "12", "--enforce-eager", "--dlite", str(drafter), "--out", str(out)])
+                  "--max-tokens", "12", "--enforce-eager", "--parallel-methods", "--dlite", str(drafter),
+                  "--out", str(out)])
     print(f"session replay: {time.time() - t0:.0f} s", file=sys.stderr)
     res = json.loads((out / "results.json").read_text())
     assert rc == 0, (out / "results.md").read_text()
     assert res["settings"]["sessions"] == 1 and res["settings"]["turns"] == 3 and res["settings"]["enforce_eager"]
+    assert res["settings"]["parallel_methods"]
     for m in ("none", "dlite"):
         r = res["methods"][m]
         assert r["status"] == "ok", r
