@@ -355,27 +355,74 @@ def _run_job(target, prompts, params, speculative_config, record_plans: bool, kw
     return run, (ctl[0].stats() if ctl else None), decisions
 
 
-def run_with_stats(models, prompts, params, speculative_config, record_plans=False, **kwargs):
-    """:func:`_run_job`; for ``dlite-hybrid`` in a freshly spawned process: vLLM's n-gram
-    proposer imports numba, and once llvmlite is imported vLLM 0.32's CPU kernel registration
-    (``triton_utils.dispatcher.register_kernels``) fails for every later engine of the process
-    (``vars(llvmlite.binding.ffi.lib)`` is not a dict), which would break the engines of the
-    tests that follow in this pytest process."""
-    job = (models.target, prompts, params, speculative_config, record_plans, kwargs)
-    if speculative_config.get("method") != "dlite-hybrid":
-        return _run_job(*job)
+# The dlite-hybrid runs each go to a freshly spawned process: vLLM's n-gram proposer imports numba,
+# and once llvmlite is imported vLLM 0.32's CPU kernel registration
+# (``triton_utils.dispatcher.register_kernels``) fails for every later engine of the process
+# (``vars(llvmlite.binding.ffi.lib)`` is not a dict), which would break the engines of the tests
+# that follow in this pytest process. ``hybrid_runs`` starts those processes, one after the other, in
+# the background as soon as this module's first test runs, so that they overlap (on the second core)
+# with the in-process engines of the other tests; each hybrid test then waits for its own run.
+def greedy_job(models, prompts, greedy, method):
+    # the copy drafter's head is not confident (probabilities ~1/V): no confidence cut here
+    return prompts, greedy, spec(method, models.copy_drafter, confidence_threshold=0.0), False, {}
+
+
+REPETITIVE, PLAIN = [132] * 12, list(range(40, 52))  # the second prompt: no token repeats
+
+
+def ngram_job(models):
+    prompts = [{"prompt_token_ids": REPETITIVE}, {"prompt_token_ids": PLAIN}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return prompts, params, spec("dlite-hybrid", models.drafter, confidence_threshold=0.0, cost_model=FREE), True, {}
+
+
+def sampled_job(models, method):
+    import test_vllm_sampling as S
+
+    params = SamplingParams(temperature=S.TEMPERATURE, max_tokens=4, ignore_eos=True)
+    config = spec(method, models.copy_drafter, confidence_threshold=0.0, cost_model=FREE)
+    config["draft_sample_method"] = "probabilistic"
+    return [S.PROMPT] * S.NUM_REQUESTS, params, config, False, {"max_num_seqs": 128}
+
+
+def hybrid_jobs(models, prompts, greedy) -> dict:
+    """Test id -> job of this module's dlite-hybrid tests."""
+    return {"test_greedy_identical_to_no_speculation[dlite-hybrid]":
+            greedy_job(models, prompts, greedy, "dlite-hybrid"),
+            "test_hybrid_uses_ngram_on_repetitive_context_and_dlite_otherwise": ngram_job(models),
+            "test_sampled_distribution_equals_target[dlite-hybrid]": sampled_job(models, "dlite-hybrid")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hybrid_runs(request, models, prompts, greedy):
+    """Test id -> future ``_run_job`` result, for the selected dlite-hybrid tests (each run in a fresh
+    spawned process, see above); nothing is started when none of them is selected."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(_run_job, *job).result()
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    jobs = {name: job for name, job in hybrid_jobs(models, prompts, greedy).items() if name in selected}
+    if not jobs:
+        yield {}
+        return
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+        runs = {name: pool.submit(_run_job, models.target, *job) for name, job in jobs.items()}
+        yield runs
+        for run in runs.values():
+            run.cancel()
+
+
+def run_with_stats(request, hybrid_runs, models, job):
+    """The job's ``_run_job`` result: the background run of this dlite-hybrid test, else in process."""
+    if job[2]["method"] == "dlite-hybrid":
+        return hybrid_runs[request.node.name].result()
+    return _run_job(models.target, *job)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["dlite-adaptive", "dlite-hybrid"])
-def test_greedy_identical_to_no_speculation(models, prompts, greedy, baseline, method):
-    # the copy drafter's head is not confident (probabilities ~1/V): no confidence cut here
-    run, stats, _ = run_with_stats(models, prompts, greedy, spec(method, models.copy_drafter, confidence_threshold=0.0))
+def test_greedy_identical_to_no_speculation(request, hybrid_runs, models, prompts, greedy, baseline, method):
+    run, stats, _ = run_with_stats(request, hybrid_runs, models, greedy_job(models, prompts, greedy, method))
     assert run.drafter_types == ["DLiteProposer"]
     assert run.token_ids == baseline.token_ids
     m = run.metrics
@@ -391,14 +438,14 @@ def test_greedy_identical_to_no_speculation(models, prompts, greedy, baseline, m
 @pytest.mark.slow
 def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(models, prompts, greedy, baseline):
     sub = prompts[:8]
-    run, stats, _ = run_with_stats(models, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
-                                                          cost_model=EXPENSIVE, probe_every=0))
+    run, stats, _ = _run_job(models.target, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
+                                                             cost_model=EXPENSIVE, probe_every=0), False, {})
     assert run.token_ids == baseline.token_ids[:8]
     assert run.metrics.get("vllm:spec_decode_num_drafts", 0) == 0
     assert stats["rounds"] > 0 and stats["totals"]["dlite"]["proposed"] == 0
 
-    run, stats, _ = run_with_stats(models, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
-                                                          cost_model=FREE, confidence_threshold=0.0))
+    run, stats, _ = _run_job(models.target, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
+                                                             cost_model=FREE, confidence_threshold=0.0), False, {})
     assert run.token_ids == baseline.token_ids[:8]
     m = run.metrics
     assert m["vllm:spec_decode_num_drafts"] > 0
@@ -406,18 +453,14 @@ def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(m
 
 
 @pytest.mark.slow
-def test_hybrid_uses_ngram_on_repetitive_context_and_dlite_otherwise(models, greedy):
+def test_hybrid_uses_ngram_on_repetitive_context_and_dlite_otherwise(request, hybrid_runs, models):
     """A prompt repeating one token (the tiny target keeps repeating it) is drafted by the n-gram;
     a prompt without repeats starts with DLite; every round, a row without a match goes to DLite
     and a full-length match to the n-gram (equal priors, free drafting)."""
-    repetitive = [132] * 12
-    plain = list(range(40, 52))  # no token repeats
-    prompts = [{"prompt_token_ids": repetitive}, {"prompt_token_ids": plain}]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    job = ngram_job(models)
+    prompts, params = job[:2]
     base = H.run_llm(models.target, prompts, params, max_num_seqs=2)
-    run, stats, decisions = run_with_stats(models, prompts, params,
-                                           spec("dlite-hybrid", models.drafter, confidence_threshold=0.0,
-                                                cost_model=FREE), record_plans=True)
+    run, stats, decisions = run_with_stats(request, hybrid_runs, models, job)
     assert run.token_ids == base.token_ids
     rep, new = (stats["requests"][r] for r in decisions[0][0])
     assert rep["ngram"]["rounds"] > 0 and rep["ngram"]["accepted"] > 0, stats["requests"]
@@ -433,7 +476,7 @@ def test_hybrid_uses_ngram_on_repetitive_context_and_dlite_otherwise(models, gre
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["dlite-adaptive", "dlite-hybrid"])
-def test_sampled_distribution_equals_target(models, method):
+def test_sampled_distribution_equals_target(request, hybrid_runs, models, method):
     """As ``test_vllm_sampling.py``: the joint of the first two sampled tokens over 2,000 requests
     matches the target's exact distribution (chi-square, alpha 1e-3), probabilistic drafts."""
     import test_vllm_sampling as S
@@ -447,10 +490,7 @@ def test_sampled_distribution_equals_target(models, method):
         batch = torch.tensor([ids + [y] for y in range(p1.numel())])
         p2 = torch.softmax(model(batch).logits[:, -1].double() / S.TEMPERATURE, -1)
     joint = p1[:, None] * p2
-    params = SamplingParams(temperature=S.TEMPERATURE, max_tokens=4, ignore_eos=True)
-    config = spec(method, models.copy_drafter, confidence_threshold=0.0, cost_model=FREE)
-    config["draft_sample_method"] = "probabilistic"
-    run, _, _ = run_with_stats(models, [S.PROMPT] * S.NUM_REQUESTS, params, config, max_num_seqs=128)
+    run, _, _ = run_with_stats(request, hybrid_runs, models, sampled_job(models, method))
     counts = collections.Counter(t[0] * H.TARGET_VOCAB + t[1] for t in run.token_ids)
     p, dof = S.chi_square_p_value(counts, joint, S.NUM_REQUESTS)
     print(f"{method}: chi2 p={p:.3g}, dof={dof}, accepted={run.metrics['vllm:spec_decode_num_accepted_tokens']}")
