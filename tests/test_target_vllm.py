@@ -1,6 +1,8 @@
 """The tiny target in vLLM on CPU: greedy tokens identical to HF transformers (fp32, vLLM's default
 compiled model), and served through the OpenAI-compatible server with tools (``--enforce-eager``:
-compilation would add ~25-45 s to the start-up and changes nothing that test checks)."""
+compilation would add ~25-45 s to the start-up and changes nothing that test checks). The server
+starts in the background when the first test of the module runs, so its start-up overlaps the
+in-process engine of the greedy test."""
 
 import json
 
@@ -9,10 +11,34 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paths import TARGET_DIR, WORKLOADS
-from vllm_utils import vllm_server
+from vllm_utils import vllm_server_process
 from vllm_dlite.workloads.replay import load_replay
 
 N_TOKENS = 64
+
+
+SERVER_FLAGS = ("--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_start(request):
+    """The OpenAI server's start (a future of its ``VLLMServer``), begun in the background when the
+    module's first test runs if the server test is selected; stopped after the module."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if "test_openai_server_chat_with_tools" not in {i.name for i in request.session.items
+                                                    if i.module is request.module}:
+        yield None
+        return
+    server = vllm_server_process(TARGET_DIR, *SERVER_FLAGS)
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(server.start)
+        try:
+            yield started
+        finally:
+            started.exception()  # a start still under way ends before the server is stopped
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +85,20 @@ def test_greedy_identical_hf_and_vllm(prompts):
 
 
 @pytest.mark.slow
-def test_openai_server_chat_with_tools():
+def test_openai_server_chat_with_tools(server_start):
     from openai import OpenAI
 
     from vllm_dlite.workloads.generator import AGENT_TOOLS
 
-    with vllm_server(TARGET_DIR, "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
-                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as base:
-        client = OpenAI(base_url=base + "/v1", api_key="none")
-        resp = client.chat.completions.create(
-            model=str(TARGET_DIR), temperature=0, max_tokens=64, tools=AGENT_TOOLS,
-            messages=[{"role": "system", "content": "You are a coding agent."},
-                      {"role": "user", "content": "List the files in `json` and read `json/decoder.py`."}])
-        choice = resp.choices[0]
-        assert resp.usage.completion_tokens > 0
-        assert choice.message.content or choice.message.tool_calls
-        for call in choice.message.tool_calls or []:
-            assert call.function.name in {t["function"]["name"] for t in AGENT_TOOLS}
-            json.loads(call.function.arguments)
+    base = server_start.result().base_url  # raises the server's start-up error
+    client = OpenAI(base_url=base + "/v1", api_key="none")
+    resp = client.chat.completions.create(
+        model=str(TARGET_DIR), temperature=0, max_tokens=64, tools=AGENT_TOOLS,
+        messages=[{"role": "system", "content": "You are a coding agent."},
+                  {"role": "user", "content": "List the files in `json` and read `json/decoder.py`."}])
+    choice = resp.choices[0]
+    assert resp.usage.completion_tokens > 0
+    assert choice.message.content or choice.message.tool_calls
+    for call in choice.message.tool_calls or []:
+        assert call.function.name in {t["function"]["name"] for t in AGENT_TOOLS}
+        json.loads(call.function.arguments)

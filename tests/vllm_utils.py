@@ -13,12 +13,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: ~87k tokens of the shipped target
 
 
-@contextlib.contextmanager
-def vllm_server(model: Path, *args: str, timeout_s: float = 600, env: dict | None = None):
-    """Run ``vllm serve MODEL ARGS`` on a loopback port (``vllm_dlite.vllm.server.VLLMServer``);
-    yields the base URL, stops the server on exit; start-up failures raise with the log's end."""
+def vllm_server_process(model: Path, *args: str, timeout_s: float = 600, env: dict | None = None):
+    """``vllm serve MODEL ARGS`` on a loopback port, not started yet (``vllm_dlite.vllm.server.VLLMServer``:
+    ``start()`` waits until healthy, start-up failures raise with the log's end; ``stop()``)."""
     from vllm_dlite.vllm.server import VLLMServer
 
-    with VLLMServer(model, *args, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, timeout_s=timeout_s,
-                    cwd=REPO) as server:
+    return VLLMServer(model, *args, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, timeout_s=timeout_s, cwd=REPO)
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, *args: str, timeout_s: float = 600, env: dict | None = None):
+    """Run ``vllm serve MODEL ARGS`` (:func:`vllm_server_process`); yields the base URL, stops the
+    server on exit; start-up failures raise with the log's end."""
+    with vllm_server_process(model, *args, timeout_s=timeout_s, env=env) as server:
         yield server.base_url
