@@ -74,6 +74,80 @@ def test_cpu_muon_orthogonalisation_matches_torch(shape):
     assert muon._zeropower_via_newtonschulz is _zeropower_via_newtonschulz
 
 
+def _eagle3_mask(doc_lengths, ttt_steps):
+    """speculators' own EAGLE-3 SDPA mask: causal within each packed document, then one
+    diagonal block per further training-time-test step."""
+    from speculators.models.eagle3.attention import (
+        create_combined_mask_mod,
+        extend_dense_mask_for_draft_tokens,
+    )
+    from torch.nn.attention.flex_attention import create_mask
+
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(doc_lengths)])
+    t = len(doc_ids)
+    mask = create_mask(create_combined_mask_mod(doc_ids, t), None, None, t, t, device="cpu")
+    for _ in range(ttt_steps - 1):
+        mask = extend_dense_mask_for_draft_tokens(mask, t)
+    return mask
+
+
+@pytest.mark.parametrize("case", ["eagle3", "masked_tile", "dense"])
+def test_masked_sdpa_tiles_matches_sdpa(case):
+    """The tile-sparse SDPA of CPU training gives transformers' SDPA output and gradients (GQA, a
+    boolean mask of speculators' EAGLE-3 layout, a fully masked query tile, a dense mask)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    if case == "eagle3":
+        mask = _eagle3_mask([200, 5, 307], ttt_steps=3)  # [1, 1, 512, 1536]
+    elif case == "masked_tile":  # each 128-query tile sees its own 160 keys, the 2nd tile none
+        mask = torch.rand(1, 1, 512, 640, generator=g) < 0.3
+        for tile in range(4):
+            mask[..., tile * 128:(tile + 1) * 128, :] &= (torch.arange(640) // 160 == tile)
+        mask[..., 128:256, :] = False
+    else:
+        mask = torch.rand(1, 1, 512, 640, generator=g) < 0.9
+    q_len, kv_len = mask.shape[-2:]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    tensors = [torch.randn(1, heads, n, 16, generator=g)
+               for heads, n in ((4, q_len), (2, kv_len), (2, kv_len))]
+    grad_out = torch.randn(1, q_len, 4, 16, generator=g)
+    key_lengths = []
+
+    def dense(module, q, k, *args, **kwargs):
+        key_lengths.append(k.shape[-2])
+        return sdpa_attention_forward(module, q, k, *args, **kwargs)
+
+    results = []
+    for fn in (sdpa_attention_forward, SP.masked_sdpa_tiles(dense)):
+        q, k, v = (t.clone().requires_grad_() for t in tensors)
+        out, weights = fn(module, q, k, v, mask, dropout=0.0, scaling=0.25)
+        (out * grad_out).sum().backward()
+        assert weights is None and out.shape == (1, q_len, 4, 16)
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+    for ours, ref in zip(*reversed(results)):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    if case == "dense":
+        assert key_lengths == [kv_len]  # nothing to gain: one dense call
+    else:
+        assert len(key_lengths) == 4 and max(key_lengths) < kv_len / 2, key_lengths
+
+
+def test_cpu_safe_speculators_installs_tiled_sdpa():
+    """While speculators trains on CPU, the "sdpa" of both attention registries the draft models
+    read is the tile-sparse one; the registries are restored on exit."""
+    if torch.accelerator.is_available():
+        pytest.skip("the CPU patches are a no-op with an accelerator")
+    interfaces = SP._attention_interfaces()
+    before = [i["sdpa"] for i in interfaces]
+    with SP.cpu_safe_speculators():
+        assert all(i["sdpa"] is not b and i["sdpa"].__qualname__.startswith("masked_sdpa_tiles")
+                   for i, b in zip(interfaces, before))
+    assert [i["sdpa"] for i in interfaces] == before
+    assert all("sdpa" not in i._local_mapping for i in interfaces)
+
+
 def test_default_layer_ids():
     assert BF.default_layer_ids("eagle3", 12) == [2, 6, 11]
     assert BF.default_layer_ids("dflash", 12) == [1, 3, 5, 8, 10, 12]
