@@ -13,7 +13,11 @@
 # Shipped weights (the A/B baselines): EAGLE-3 and DFlash, 1 epoch each (236 speculators steps of
 # 4,096 packed tokens over the 839 sequences / 737,387 tokens), speculators' defaults otherwise:
 # Muon + AdamW at lr 1e-3 with linear decay, EAGLE-3 --ttt-steps 3, DFlash --max-anchors 512. That is
-# what fits on the 2-core CPU (EAGLE-3 ~15 s/step with 3 TTT steps, ~32 s with 7; DFlash ~8 s/step);
+# what fitted on the 2-core CPU then (EAGLE-3 ~15 s/step with 3 TTT steps, ~32 s with 7; DFlash
+# ~5-8 s/step). Since the tile-sparse attention and heap reuse of
+# vllm_dlite/train/speculators_patches.py (one thread, CPU seconds a step, median of steps 2-7):
+# EAGLE-3 3.9 s with 3 TTT steps, 9.2 s with 7 (was 30.6 s); DFlash 1.55 s (was 4.8 s), i.e.
+# ~15 / ~36 / ~6 min an epoch of 236 steps on one core.
 # DLite's shipped drafter had 6 stable epochs on a GPU, see README "A/B" for the budget comparison.
 # Overrides: EPOCHS=... METHODS="eagle3 dflash dspark" DATA=... EAGLE3_ARGS="--ttt-steps 7" \
 #   REUSE=runs/dlite-qwen3-tiny-stdlib/data/features/hidden_states (DLite's feature files, same data)
