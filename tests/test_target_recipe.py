@@ -66,3 +66,16 @@ def test_well_formed_tool_calls(session):
     assert not well_formed_tool_calls(ok.replace('"path": "a.py", ', ""), tools)  # required parameter missing
     assert not well_formed_tool_calls(ok.replace("read_file", "py"), tools)  # no such tool
     assert not well_formed_tool_calls(ok.replace('{"name"', '{"cmd", "name"'), tools)  # not JSON
+
+
+def test_table_compares_reports_bucket_by_bucket():
+    from vllm_dlite.target.evaluate import format_table
+
+    def report(ok, ce):
+        return {"by_bucket": {name: dict(turns_scored=10, well_formed_tool_calls=ok, same_tool_as_reference=ok / 2,
+                                         mean_output_tokens=40.0, short_endings=0, heldout_assistant_ce=ce)
+                              for _, _, name in BUCKETS}}
+    rows = format_table(report(0.9, 0.3), report(0.0, 4.8)).splitlines()[2:]
+    assert len(rows) == len(BUCKETS) and rows[-1].startswith("| 16k-32k | 10 |")
+    assert "0.0% -> **90.0%**" in rows[0] and "4.8 -> **0.3**" in rows[0]
+    assert "->" not in format_table(report(0.9, 0.3))

@@ -99,7 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-loss", action="store_true", help="skip the teacher-forced held-out CE (HF, slow)")
     ap.add_argument("--samples", type=int, default=1, help="sample replies to keep per bucket")
     ap.add_argument("--out", help="write the report as JSON here")
+    ap.add_argument("--table", metavar="REPORT", help="print the table of a saved report and stop (no model runs)")
+    ap.add_argument("--before", metavar="REPORT", help="with --table: a saved report to compare against")
     args = ap.parse_args(argv)
+    if args.table:
+        load = (lambda p: json.load(open(p)) if p else None)
+        print(format_table(load(args.table), load(args.before)))
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: 8 prompts of 30k tokens fit
 
     from transformers import AutoTokenizer
@@ -154,15 +160,24 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(report, f, indent=2)
 
 
-def format_table(report: dict) -> str:
-    """The per-bucket figures as a markdown table (the model card quotes it)."""
+def format_table(report: dict, before: dict | None = None) -> str:
+    """The per-bucket figures as a markdown table (the model card quotes it); with ``before``,
+    each cell reads ``before -> after``."""
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    def cells(b: dict) -> list[str]:
+        return [str(b["turns_scored"]), pct(b["well_formed_tool_calls"]), pct(b["same_tool_as_reference"]),
+                str(b["mean_output_tokens"]), str(b["short_endings"]), str(b.get("heldout_assistant_ce", "-"))]
+
     lines = ["| prompt tokens | turns | well-formed tool calls | same tool | mean output tokens "
              "| 2-token endings | held-out assistant CE |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, b in report["by_bucket"].items():
-        pct = (lambda v: "-" if v is None else f"{100 * v:.1f}%")
-        lines.append(f"| {name} | {b['turns_scored']} | {pct(b['well_formed_tool_calls'])} "
-                     f"| {pct(b['same_tool_as_reference'])} | {b['mean_output_tokens']} | {b['short_endings']} "
-                     f"| {b.get('heldout_assistant_ce', '-')} |")
+        now = cells(b)
+        if before is not None:
+            was = cells(before["by_bucket"][name])
+            now = [now[0]] + [f"{w} -> **{n}**" for w, n in zip(was[1:], now[1:])]
+        lines.append(f"| {name} | " + " | ".join(now) + " |")
     return "\n".join(lines)
 
 
