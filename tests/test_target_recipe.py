@@ -79,3 +79,37 @@ def test_table_compares_reports_bucket_by_bucket():
     assert len(rows) == len(BUCKETS) and rows[-1].startswith("| 16k-32k | 10 |")
     assert "0.0% -> **90.0%**" in rows[0] and "4.8 -> **0.3**" in rows[0]
     assert "->" not in format_table(report(0.9, 0.3))
+
+
+@pytest.mark.slow
+def test_long_stage_resumes_where_it_stopped(tmp_path):
+    """Two steps, then the same command with a third: the rerun continues from the saved state
+    (same first two steps, one more), and the stage is recorded in the training report."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from vllm_dlite.target import long
+
+    src = tmp_path / "tiny"
+    cfg = Qwen3Config(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32768,
+                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=[2, 0])
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TARGET_DIR / name, src / name)
+    common = ["--target", str(src), "--out", str(tmp_path / "out"), "--state", str(tmp_path / "state.pt"),
+              "--sessions", "2", "--short-sessions", "2", "--short-batch", "2", "--max-len", "8192",
+              "--save-every-s", "0", "--threads", "1"]
+    long.main(common + ["--steps", "2"])
+    first = [json.loads(line) for line in open(tmp_path / "out" / "train_log_long.jsonl")]
+    long.main(common + ["--steps", "3"])
+    again = [json.loads(line) for line in open(tmp_path / "out" / "train_log_long.jsonl")]
+    assert [r["step"] for r in first] == [1, 2] and [r["step"] for r in again] == [1, 2, 3]
+    assert again[:2] == first
+    stages = json.loads((tmp_path / "out" / "training_report.json").read_text())["stages"]
+    assert [s["stage"] for s in stages] == ["long", "long"] and stages[-1]["steps"] == 3
+    assert Qwen3ForCausalLM.from_pretrained(tmp_path / "out").config.max_position_embeddings == 32768

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             if f.is_file() and f.suffix != ".safetensors":
                 (out / f.name).write_bytes(f.read_bytes())
     report_path = out / "training_report.json"
-    report = json.loads(report_path.read_text())
+    report = json.loads(report_path.read_text()) if report_path.exists() else {"name": out.name, "stages": []}
     report.setdefault("stages", [{k: v for k, v in report.items() if k != "stages"}])
     report["stages"].append(dict(
         stage="long", steps=step, time_budget_s=args.time_budget_s or None, device=str(device),
