@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from paths import TARGET_DIR, WORKLOADS
 from vllm_dlite.target.evaluate import BUCKETS, bucket_of, first_tool_name, well_formed_tool_calls
 from vllm_dlite.target.long import CURRICULUM, length_cap, supervised_window
-from vllm_dlite.target.sft import assistant_spans
+from vllm_dlite.target.sft import assistant_spans, turn_markers
 from vllm_dlite.target.train import render_sessions
 from vllm_dlite.workloads.schema import read_sessions
 
@@ -22,8 +22,7 @@ def tok():
 def session(tok):
     s = next(s for s in read_sessions(str(WORKLOADS / "heldout_agentic.jsonl")))
     doc = render_sessions(tok, [s])[0]
-    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    return doc, assistant_spans(doc, header, tok.convert_tokens_to_ids("<|im_end|>")), s
+    return doc, assistant_spans(doc, *turn_markers(tok)), s
 
 
 def test_curriculum_caps_grow_to_the_window():

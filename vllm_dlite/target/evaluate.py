@@ -66,12 +66,11 @@ def assistant_ce_by_bucket(target: str, sessions: list[dict], max_tokens: int) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..workloads.replay import chat_token_ids
-    from .sft import assistant_spans
+    from .sft import assistant_spans, turn_markers
 
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    header, end_id = turn_markers(tok)
     sums: dict[str, list[float]] = {}
     for s in sessions:
         ids = chat_token_ids(tok, s["messages"], s["tools"], add_generation_prompt=False)[:max_tokens]
@@ -80,7 +79,7 @@ def assistant_ce_by_bucket(target: str, sessions: list[dict], max_tokens: int) -
         ce = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
         for start, stop in assistant_spans(ids, header, end_id):
             name = bucket_of(start)
-            if name is None or stop > len(ids):
+            if name is None:
                 continue
             acc = sums.setdefault(name, [0.0, 0])
             acc[0] += float(ce[start - 1: stop - 1].sum())  # logits at t predict token t + 1

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .sft import assistant_spans
+from .sft import append_stage, assistant_spans, masked_ce, pad_batch, turn_markers
 from .train import add_device_arguments, render_sessions, resolve_device
 
 CURRICULUM = ((0.25, 8192), (0.5, 16384), (1.0, None))  # (until this fraction of the run, max tokens)
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     long_docs = session_docs(tok, "agentic", args.sessions, args.seed)
     short_docs = (session_docs(tok, "code", args.short_sessions, args.seed)
                   + session_docs(tok, "chat", args.short_sessions, args.seed))
-    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    header, end_id = turn_markers(tok)
     long_items = [(d, assistant_spans(d, header, end_id)) for d in long_docs]
     short_items = [(d, assistant_spans(d, header, end_id)) for d in short_docs]
     print(f"[long] {len(long_items)} agentic sessions ({sum(map(len, long_docs)):,} tokens, longest "
@@ -130,15 +129,6 @@ def main(argv: list[str] | None = None) -> None:
     def progress() -> float:
         return elapsed / args.time_budget_s if args.time_budget_s else step / args.steps
 
-    def batch_of(rows: list[tuple[list[int], list[int]]]):
-        width = max(len(r) for r, _ in rows)
-        pad = tok.pad_token_id
-        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows], device=device)
-        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.bool, device=device)
-        valid = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows], dtype=torch.bool,
-                             device=device)
-        return ids, mask, valid
-
     last_save = time.time()
     while (p := progress()) < 1.0:
         t_step = time.time()
@@ -152,18 +142,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             rows = [supervised_window(*rng.choice(long_items), cap, rng)]
             kind = "long"
-        ids, mask, valid = batch_of(rows)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(input_ids=ids[:, :-1], attention_mask=valid[:, :-1].long()).logits.float()
-        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        m, v = mask[:, 1:], valid[:, 1:]
-        ce_asst, ce_all = (ce * m).sum() / m.sum().clamp(min=1), (ce * v).sum() / v.sum()
+        ids, mask, valid = pad_batch([r for r, _ in rows], [m for _, m in rows], tok.pad_token_id)
+        ce_asst, ce_all = masked_ce(model, ids, mask, valid)
         loss = ce_asst + args.all_token_weight * ce_all
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        del logits, ce, loss
+        del loss
         step += 1
         tokens += int(valid.sum())
         elapsed += time.time() - t_step
@@ -182,23 +168,16 @@ def main(argv: list[str] | None = None) -> None:
         for f in Path(args.target).iterdir():  # tokenizer, template, configs, report
             if f.is_file() and f.suffix != ".safetensors":
                 (out / f.name).write_bytes(f.read_bytes())
-    report_path = out / "training_report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else {"name": out.name, "stages": []}
-    report.setdefault("stages", [{k: v for k, v in report.items() if k != "stages"}])
-    report["stages"].append(dict(
+    with open(out / "train_log_long.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in log)
+    model.config.use_cache = True
+    model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    append_stage(out, dict(
         stage="long", steps=step, time_budget_s=args.time_budget_s or None, device=str(device),
         max_len=args.max_len, curriculum=[list(c) for c in CURRICULUM], short_share=args.short_share,
         sessions=args.sessions, short_sessions=args.short_sessions, lr=args.lr, training_tokens=tokens,
         train_wall_s=round(elapsed), torch_threads=torch.get_num_threads(),
         command="python -m vllm_dlite.target.long " + " ".join(argv if argv is not None else sys.argv[1:])))
-    report["training_tokens_all_stages"] = sum(s["training_tokens"] for s in report["stages"])
-    report["train_wall_s_all_stages"] = sum(s["train_wall_s"] for s in report["stages"])
-    with open(out / "train_log_long.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in log)
-    model.config.use_cache = True
-    model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    report_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["stages"][-1], indent=2))
 
 
 if __name__ == "__main__":

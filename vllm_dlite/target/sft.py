@@ -40,6 +40,47 @@ def assistant_spans(ids: list[int], header: list[int], end_id: int) -> list[tupl
     return spans
 
 
+def turn_markers(tok) -> tuple[list[int], int]:
+    """The token ids that open an assistant turn, and the id that ends every turn (for
+    :func:`assistant_spans`)."""
+    return tok.encode("<|im_start|>assistant\n", add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def pad_batch(rows: list[list[int]], masks: list[list[int]], pad_id: int):
+    """Right-pad token rows and their loss masks: ``ids [b, T]``, ``mask [b, T]`` (supervised
+    tokens), ``valid [b, T]`` (real tokens)."""
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.bool)
+    valid = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.bool)
+    return ids, mask, valid
+
+
+def masked_ce(model, ids: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor):
+    """Next-token CE of ``model`` on a :func:`pad_batch` batch: mean over the supervised tokens
+    and mean over all real tokens (bf16 autocast on CUDA)."""
+    device = model.device
+    ids, mask, valid = ids.to(device), mask.to(device), valid.to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(input_ids=ids[:, :-1], attention_mask=valid[:, :-1].long()).logits.float()
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    m, v = mask[:, 1:], valid[:, 1:]
+    return (ce * m).sum() / m.sum().clamp(min=1), (ce * v).sum() / v.sum()
+
+
+def append_stage(out: Path, stage: dict) -> None:
+    """Record one training stage in ``out/training_report.json`` (started fresh when missing),
+    with the token and wall-time totals over all stages."""
+    report_path = out / "training_report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {"name": out.name, "stages": []}
+    report.setdefault("stages", [{k: v for k, v in report.items() if k != "stages"}])
+    report["stages"].append(stage)
+    report["training_tokens_all_stages"] = sum(s["training_tokens"] for s in report["stages"])
+    report["train_wall_s_all_stages"] = sum(s["train_wall_s"] for s in report["stages"])
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(stage, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/qwen3-tiny-stdlib")
@@ -64,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     model = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32).to(device)
     model.train()
     _, session_docs, _, heldout_docs, _ = torch.load(args.corpus)
-    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    header, end_id = turn_markers(tok)
     items = [(d, s) for d in session_docs for s in assistant_spans(d, header, end_id)]
     held = [(d, s) for d in heldout_docs for s in assistant_spans(d, header, end_id)]
     print(f"[sft] {len(items)} assistant turns in {len(session_docs)} sessions", flush=True)
@@ -76,20 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             lo = max(0, stop - args.window - 1)
             rows.append(doc[lo:stop])
             masks.append([0] * (max(start, lo) - lo) + [1] * (stop - max(start, lo)))
-        width = max(map(len, rows))
-        pad = tok.pad_token_id
-        ids = torch.tensor([r_ + [pad] * (width - len(r_)) for r_ in rows])
-        mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.bool)
-        valid = torch.tensor([[1] * len(r_) + [0] * (width - len(r_)) for r_ in rows], dtype=torch.bool)
-        return ids, mask, valid
-
-    def losses(ids, mask, valid):
-        ids, mask, valid = ids.to(device), mask.to(device), valid.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(input_ids=ids[:, :-1], attention_mask=valid[:, :-1].long()).logits.float()
-        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        m, v = mask[:, 1:], valid[:, 1:]
-        return (ce * m).sum() / m.sum(), (ce * v).sum() / v.sum()
+        return pad_batch(rows, masks, tok.pad_token_id)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     t0, tokens, hist = time.time(), 0, []
@@ -103,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         ids, mask, valid = make_batch(items, args.batch_size, rng)
-        ce_asst, ce_all = losses(ids, mask, valid)
+        ce_asst, ce_all = masked_ce(model, ids, mask, valid)
         loss = ce_asst + args.all_token_weight * ce_all
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -123,22 +150,15 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     with torch.no_grad():
         r = random.Random(1234)
-        evals = [losses(*make_batch(held, 4, r)) for _ in range(8)]
-    report_path = out / "training_report.json"
-    report = json.loads(report_path.read_text())
-    report.setdefault("stages", [{k: v for k, v in report.items() if k != "stages"}])
-    report["stages"].append(dict(
+        evals = [masked_ce(model, *make_batch(held, 4, r)) for _ in range(8)]
+    stage = dict(
         stage="sft", steps=step, time_budget_s=args.time_budget_s or None, device=str(device), window=args.window, batch_size=args.batch_size, lr=args.lr,
         training_tokens=tokens, train_wall_s=round(wall),
         heldout_assistant_ce=round(sum(e[0].item() for e in evals) / len(evals), 4),
         heldout_all_ce=round(sum(e[1].item() for e in evals) / len(evals), 4),
-        command="python -m vllm_dlite.target.sft " + " ".join(argv if argv is not None else sys.argv[1:])))
-    report["training_tokens_all_stages"] = sum(s["training_tokens"] for s in report["stages"])
-    report["train_wall_s_all_stages"] = sum(s["train_wall_s"] for s in report["stages"])
+        command="python -m vllm_dlite.target.sft " + " ".join(argv if argv is not None else sys.argv[1:]))
     model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    report_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["stages"][-1], indent=2))
-
+    append_stage(out, stage)
 
 if __name__ == "__main__":
     main()
