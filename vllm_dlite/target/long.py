@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .sft import append_stage, assistant_spans, masked_ce, pad_batch, turn_markers
+from .sft import append_stage, assistant_spans, pad_batch, supervised_step, turn_markers
 from .train import add_device_arguments, render_sessions, resolve_device
 
 CURRICULUM = ((0.25, 8192), (0.5, 16384), (1.0, None))  # (until this fraction of the run, max tokens)
@@ -143,13 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             rows = [supervised_window(*rng.choice(long_items), cap, rng)]
             kind = "long"
         ids, mask, valid = pad_batch([r for r, _ in rows], [m for _, m in rows], tok.pad_token_id)
-        ce_asst, ce_all = masked_ce(model, ids, mask, valid)
-        loss = ce_asst + args.all_token_weight * ce_all
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        del loss
+        ce_asst, ce_all = supervised_step(model, opt, ids, mask, valid, args.all_token_weight)
         step += 1
         tokens += int(valid.sum())
         elapsed += time.time() - t_step

@@ -68,6 +68,18 @@ def masked_ce(model, ids: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor)
     return (ce * m).sum() / m.sum().clamp(min=1), (ce * v).sum() / v.sum()
 
 
+def supervised_step(model, opt, ids, mask, valid, all_token_weight: float):
+    """One optimizer step on ``CE_assistant + all_token_weight * CE_all`` (gradient norm clipped
+    to 1); returns both CEs."""
+    ce_asst, ce_all = masked_ce(model, ids, mask, valid)
+    loss = ce_asst + all_token_weight * ce_all
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return ce_asst.detach(), ce_all.detach()
+
+
 def append_stage(out: Path, stage: dict) -> None:
     """Record one training stage in ``out/training_report.json`` (started fresh when missing),
     with the token and wall-time totals over all stages."""
@@ -130,12 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         ids, mask, valid = make_batch(items, args.batch_size, rng)
-        ce_asst, ce_all = masked_ce(model, ids, mask, valid)
-        loss = ce_asst + args.all_token_weight * ce_all
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        ce_asst, ce_all = supervised_step(model, opt, ids, mask, valid, args.all_token_weight)
         tokens += int(valid.sum())
         hist.append(ce_asst.item())
         step += 1
