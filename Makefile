@@ -16,16 +16,16 @@ test-fast: setup               ## skip the slow end-to-end tests
 
 workloads: setup               ## regenerate the shipped held-out workload files
 	for k in agentic:24 code:64 chat:64; do \
-	  $(PY) -m vllm_dlite.workloads.generator --kind $${k%%:*} --split heldout -n $${k##*:} --seed 1 \
+	  $(PY) -m vllm_dlite.train.workloads.generator --kind $${k%%:*} --split heldout -n $${k##*:} --seed 1 \
 	    --out benchmarks/workloads/heldout_$${k%%:*}.jsonl; done
 
 target: setup                  ## retrain the tiny target on this machine (~50 min + 50 min on 2 cores; the shipped one: scripts/gpu_session.sh)
-	$(PY) -m vllm_dlite.target.train --out models/qwen3-tiny-stdlib
-	$(PY) -m vllm_dlite.target.sft --target models/qwen3-tiny-stdlib
+	$(PY) -m lab.target.train --out models/qwen3-tiny-stdlib
+	$(PY) -m lab.target.sft --target models/qwen3-tiny-stdlib
 	$(MAKE) target-long
 
 target-long: setup             ## the target's long-context stage alone, from the shipped weights (50 min on 2 cores; resumable)
-	$(PY) -m vllm_dlite.target.long --target models/qwen3-tiny-stdlib --time-budget-s 3000
+	$(PY) -m lab.target.long --target models/qwen3-tiny-stdlib --time-budget-s 3000
 
 drafter: setup                 ## retrain the shipped DLite drafter (configs/dlite-tiny.yaml)
 	bash scripts/train_drafter_tiny.sh

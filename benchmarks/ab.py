@@ -7,7 +7,7 @@
 Contract:
 * every assistant turn of every session in ``--workload`` (any file in the docs/design.md §6
   format) becomes one request, its prompt rendered with the target's chat template and tools
-  (``vllm_dlite.workloads.replay``); ``--max-requests N`` keeps N of them spread evenly over the
+  (``vllm_dlite.train.workloads.replay``); ``--max-requests N`` keeps N of them spread evenly over the
   file (for slow machines; the default keeps all);
 * ``dlite-adaptive`` / ``dlite-hybrid`` (``vllm_dlite.vllm.adaptive``) use the ``--dlite`` drafter;
   their results add ``drafting_by_concurrency`` (the proposer's accepted/proposed tokens per
@@ -60,8 +60,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # DraftTimer needs the in-process engine
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # small CPU matmuls: spinning threads only contend
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+from vllm_dlite.vllm.engine import use_cpu_env  # noqa: E402  (after the path)
+
+use_cpu_env(4, threads=1)  # GiB: prompts to 30k tokens fit
 
 CONTEXT_BUCKETS = (1024, 4096, 16384)
 # tau against prompt length: (name, first token count, one past the last), k = 1024
@@ -84,7 +86,7 @@ def prompt_bucket(tokens: int) -> str | None:
 
 def tau_by_prompt_tokens(records: list[dict]) -> dict:
     """Acceptance per prompt-length bucket from per-request records ``{"prompt_tokens", "histogram",
-    "draft_tokens"}`` (``replay_engine.request_spec_record``; ``histogram[j]`` = verify steps with
+    "draft_tokens"}`` (``lab.harness.replay.request_spec_record``; ``histogram[j]`` = verify steps with
     exactly j accepted draft tokens, empty without speculation). Every bucket is present; one
     without drafts has ``tau`` None and no per-position figures."""
     out = {}
@@ -122,7 +124,8 @@ def target_context(target: str) -> int | None:
 def run_method(args, method: str, prompts: list[list[int]], drafter: str | None) -> dict:
     """Every concurrency level in a fresh engine in a fresh process: nothing (compiled kernels,
     patched modules, allocator state) carries over from one method to the next."""
-    from vllm_dlite.vllm.replay_engine import MethodUnavailable, replay_in_fresh_process, speculative_config
+    from vllm_dlite.vllm.engine import MethodUnavailable, speculative_config
+    from lab.harness.replay import replay_in_fresh_process
 
     try:
         spec = speculative_config(method, args.k, drafter)
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="shard the target over N workers (on CPU each rank is pinned to its own cores; "
                          "draft times are not recorded then: the drafter runs in the workers)")
     args = ap.parse_args(argv)
-    from vllm_dlite.vllm.replay_engine import METHODS
+    from vllm_dlite.vllm.engine import METHODS
 
     try:  # bad options fail here, before any engine starts
         args.concurrency = sorted(int(c) for c in args.concurrency.split(","))
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from vllm_dlite.workloads.replay import load_replay
+    from vllm_dlite.train.workloads.replay import load_replay
 
     tok = AutoTokenizer.from_pretrained(args.target)
     requests = load_replay(args.workload, tok, max_prompt_tokens=args.max_prompt_tokens)

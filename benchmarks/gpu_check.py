@@ -14,7 +14,7 @@ a_smoke     vLLM smoke: a random tiny Qwen3 (bf16), ``enforce_eager``, token-id 
 b_lossless  The shipped tiny target ``models/qwen3-tiny-stdlib`` + DLite ``models/dlite-qwen3-tiny-stdlib``
             on Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``), fp32 (exact comparisons): greedy outputs
             with DLite == without speculation on 32 held-out agentic prompts (rendered by
-            ``vllm_dlite.eval.offline.load_requests``) at max batch 16, eager AND with CUDA graphs; no
+            ``vllm_dlite.train.offline_eval.load_requests``) at max batch 16, eager AND with CUDA graphs; no
             draft KV (pool == no speculation); probabilistic drafts (``draft_sample_method=probabilistic``)
             in a mixed greedy/sampled batch (greedy rows identical, sampled rows complete); the
             speculator class printed ("CUDA graphs": full graphs of the uniform decode/verify steps,
@@ -98,9 +98,9 @@ def vllm_env(on_gpu: bool) -> None:
     if on_gpu:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     else:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        from vllm_dlite.vllm.engine import use_cpu_env
+
+        use_cpu_env(2, threads=1)
 
 
 def runner_info(llm) -> dict:
@@ -188,7 +188,8 @@ def engine_run(target, prompts: list[list[int]], params, spec: Optional[dict], *
                max_model_len: int, max_num_seqs: int, enforce_eager: bool, on_gpu: bool,
                compile_mode: str = "vllm") -> dict:
     """One fresh in-process engine, one generate over ``prompts``; outputs, counters, runner info."""
-    from vllm_dlite.vllm.replay_engine import build_llm, kv_pool_tokens, shutdown, spec_decode_counters
+    from vllm_dlite.vllm.engine import build_llm, shutdown
+    from lab.harness.replay import kv_pool_tokens, spec_decode_counters
 
     extra = dict(enforce_eager=enforce_eager, **gpu_engine_kwargs(on_gpu, enforce_eager, compile_mode))
     t0 = time.perf_counter()
@@ -233,7 +234,7 @@ def shipped_requests(kind: str, n: int, max_prompt_tokens: int) -> list[list[int
     template (the project's replay helpers)."""
     from transformers import AutoTokenizer
 
-    from vllm_dlite.eval.offline import load_requests
+    from vllm_dlite.train.offline_eval import load_requests
 
     tok = AutoTokenizer.from_pretrained(str(TARGET))
     reqs = load_requests(tok, [str(WORKLOADS[kind])], max_prompt_tokens=max_prompt_tokens, max_requests_per_kind=n)
@@ -272,7 +273,7 @@ def stage_a(args, rec: dict, save: Callable[[], None]) -> bool:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from vllm_dlite.vllm.replay_engine import shutdown
+    from vllm_dlite.vllm.engine import shutdown
 
     rec["versions"] = dict(vllm=vllm.__version__, torch=torch.__version__, python=sys.version.split()[0],
                            cuda=torch.version.cuda, vllm_file=vllm.__file__, import_s=round(time.perf_counter() - t0, 1))
@@ -308,7 +309,7 @@ def stage_b(args, rec: dict, save: Callable[[], None]) -> bool:
     from vllm import SamplingParams
 
     from vllm_dlite.vllm.plugin import register
-    from vllm_dlite.vllm.replay_engine import speculative_config
+    from vllm_dlite.vllm.engine import speculative_config
 
     register()
     n = args.num_prompts
@@ -417,8 +418,8 @@ def measure_method(method: str, prompts: dict, args, on_gpu: bool) -> dict:
     Returns ``{info, startup_s, rows, outputs}`` (``outputs[(kind, b)]``: generated ids)."""
     vllm_env(on_gpu)
     from vllm_dlite.vllm.plugin import register
-    from vllm_dlite.vllm.replay_engine import (DraftTimer, MethodUnavailable, build_llm, run_replay, shutdown,
-                                               speculative_config)
+    from vllm_dlite.vllm.engine import MethodUnavailable, build_llm, shutdown, speculative_config
+    from lab.harness.replay import DraftTimer, run_replay
 
     register()
     batches = [int(b) for b in args.c_batches.split(",")]
@@ -489,7 +490,7 @@ def stage_c(args, rec: dict, save: Callable[[], None]) -> bool:
 
     on_gpu = torch.cuda.is_available()
     vllm_env(on_gpu)
-    from vllm_dlite.vllm.replay_engine import MethodUnavailable
+    from vllm_dlite.vllm.engine import MethodUnavailable
 
     batches = [int(b) for b in args.c_batches.split(",")]
     methods = args.c_methods.split(",")

@@ -51,7 +51,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_dlite.eval.faults import CHECKPOINT_FAULTS, damage_weights  # noqa: E402
+from lab.harness.faults import CHECKPOINT_FAULTS, damage_weights  # noqa: E402
+from vllm_dlite.vllm.engine import cpu_env  # noqa: E402
 
 BAD_INPUTS = ("empty_messages", "invalid_tool_schema", "huge_max_tokens", "prompt_over_context", "not_json")
 
@@ -59,8 +60,8 @@ BAD_INPUTS = ("empty_messages", "invalid_tool_schema", "huge_max_tokens", "promp
 # ----------------------------------------------------------------------------- requests
 def build_requests(workloads: list[str], tokenizer, n: int, max_model_len: int, max_tokens: int) -> list[dict]:
     """``n`` chat requests spread evenly over prompt length; the longest one that fits is kept."""
-    from vllm_dlite.workloads.replay import chat_token_ids
-    from vllm_dlite.workloads.schema import read_sessions
+    from vllm_dlite.train.workloads.replay import chat_token_ids
+    from vllm_dlite.train.workloads.schema import read_sessions
 
     turns = []
     for path in workloads:
@@ -207,7 +208,7 @@ def corrupt(src: Path, dst: Path, how: str) -> Path:
 def corrupt_startup(args, how: str, spec: dict, common: list[str], env: dict) -> dict:
     """``vllm serve`` with a copy of the drafter damaged ``how``: its exit code, whether its log
     names the damaged file (an error line), how long it took."""
-    from vllm_dlite.vllm.server import ServerStartError, VLLMServer
+    from lab.harness.server import ServerStartError, VLLMServer
 
     work = args.out / f"corrupt-{how}"
     shutil.rmtree(work, ignore_errors=True)
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from vllm_dlite.vllm.server import VLLMServer
+    from lab.harness.server import VLLMServer
 
     t_start = time.time()
     tok = AutoTokenizer.from_pretrained(args.target)
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
               "--block-size", str(bs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.enforce_eager:
         common.append("--enforce-eager")
-    env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = cpu_env(2, threads=1)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(target=args.target, drafter=args.drafter, k=args.k, temperature=0.0, requests=len(requests),
                     prompt_tokens=[r["prompt_tokens"] for r in requests], max_tokens=args.max_tokens,

@@ -15,11 +15,11 @@ Contract:
   compared token for token with ``none``'s (same concurrency): ``identical_to_none`` and
   ``mismatches`` (session, turn, first differing token). A session stops before its first turn
   whose prompt (tokenised here with the target's chat template) does not fit the target's context.
-* **Servers**: one ``vllm serve`` per method (``vllm_dlite.vllm.server.VLLMServer``) with the
+* **Servers**: one ``vllm serve`` per method (``lab.harness.server.VLLMServer``) with the
   README's flags (``--enable-auto-tool-choice --tool-call-parser hermes``) plus
   ``--enable-prefix-caching``, ``--enable-prompt-tokens-details``, ``--max-num-seqs`` = the largest
   concurrency, max model len = the target's context, the speculative config of
-  ``replay_engine.speculative_config`` and, with speculation, ``--per-request-spec-decode-metrics
+  ``vllm_dlite.vllm.engine.speculative_config`` and, with speculation, ``--per-request-spec-decode-metrics
   summary``; ``--enforce-eager`` skips vLLM's model compilation (a faster start-up, the same
   tokens) and ``--parallel-methods`` replays every method at once, each on its own server (same
   tokens and counters, timings not comparable); the test suite's smoke run uses both. One warm-up
@@ -245,8 +245,8 @@ async def stream_turn(http, url: str, body: dict) -> dict:
 
 
 async def get_metrics(http, base_url: str) -> dict:
-    """``/metrics`` summed over label sets (``vllm_dlite.vllm.server.parse_metrics``)."""
-    from vllm_dlite.vllm.server import parse_metrics
+    """``/metrics`` summed over label sets (``lab.harness.server.parse_metrics``)."""
+    from lab.harness.server import parse_metrics
 
     async with http.get(base_url + "/metrics") as resp:
         return parse_metrics(await resp.text())
@@ -346,8 +346,8 @@ def server_flags(args, spec: dict | None) -> list[str]:
 
 
 def run_method(args, method: str, sessions: list[list[Turn]]) -> dict:
-    from vllm_dlite.vllm.replay_engine import MethodUnavailable, speculative_config
-    from vllm_dlite.vllm.server import ServerStartError, VLLMServer
+    from vllm_dlite.vllm.engine import MethodUnavailable, cpu_env, speculative_config
+    from lab.harness.server import ServerStartError, VLLMServer
 
     try:
         # variants named "<base>-<kind>" (e.g. dlite-adaptive) use the base method's drafter
@@ -355,8 +355,7 @@ def run_method(args, method: str, sessions: list[list[Turn]]) -> dict:
     except MethodUnavailable as exc:
         print(f"[{method}] unavailable: {exc}", flush=True)
         return {"status": "unavailable", "reason": str(exc)}
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+    env = {**cpu_env(4, threads=1, environ=os.environ),
            "VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache between concurrency levels
     levels, outputs = {}, {}
     t_start = time.time()
@@ -539,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=3600, help="per request")
     ap.add_argument("--server-timeout-s", type=float, default=900, help="server start-up")
     args = ap.parse_args(argv)
-    from vllm_dlite.vllm.replay_engine import METHODS
+    from vllm_dlite.vllm.engine import METHODS
 
     try:
         args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
@@ -559,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from vllm_dlite.workloads.replay import chat_token_ids
-    from vllm_dlite.workloads.schema import read_sessions
+    from vllm_dlite.train.workloads.replay import chat_token_ids
+    from vllm_dlite.train.workloads.schema import read_sessions
 
     cfg = AutoConfig.from_pretrained(args.target)
     args.max_model_len = int(getattr(getattr(cfg, "text_config", None) or cfg, "max_position_embeddings"))

@@ -15,9 +15,11 @@ tokens.
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the lab (lab/: replay and server harness) lives at the root, not installed
 
 
 def main() -> None:
@@ -37,13 +39,14 @@ def main() -> None:
                     help="shard the target over N workers (on CPU each rank is pinned to its own cores)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     from transformers import AutoTokenizer
 
-    from vllm_dlite.vllm.replay_engine import (MethodUnavailable, RunResult, replay_in_fresh_process,
-                                               speculative_config)
-    from vllm_dlite.workloads.replay import load_replay
+    from lab.harness.replay import RunResult, replay_in_fresh_process
+    from vllm_dlite.train.workloads.replay import load_replay
+    from vllm_dlite.vllm.engine import MethodUnavailable, speculative_config, use_cpu_env
+
+    use_cpu_env(2)
 
     tok = AutoTokenizer.from_pretrained(args.target)
     requests = load_replay(args.workload, tok, max_prompt_tokens=args.max_prompt_tokens)

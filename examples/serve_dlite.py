@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the lab (lab/: replay and server harness) lives at the root, not installed
 
 
 def spec_decode_counters(server) -> dict[str, float]:
@@ -46,8 +47,9 @@ def main() -> None:
 
     from openai import OpenAI
 
-    from vllm_dlite.vllm.server import ServerStartError, VLLMServer
-    from vllm_dlite.workloads.schema import read_sessions
+    from lab.harness.server import ServerStartError, VLLMServer
+    from vllm_dlite.train.workloads.schema import read_sessions
+    from vllm_dlite.vllm.engine import cpu_env, tensor_parallel_env
 
     session = next(read_sessions(args.workload))
     turn = next(i for i, m in enumerate(session["messages"]) if m["role"] == "assistant")
@@ -58,10 +60,8 @@ def main() -> None:
              "--tool-call-parser", "hermes", "--speculative-config", json.dumps(spec)]
     if args.enforce_eager:
         flags.append("--enforce-eager")
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = cpu_env(2, environ=os.environ)
     if args.tensor_parallel_size > 1:
-        from vllm_dlite.vllm.replay_engine import tensor_parallel_env
-
         flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
         env.update(tensor_parallel_env(args.tensor_parallel_size))  # CPU: one core group per rank
     server = VLLMServer(args.target, *flags, env=env, timeout_s=args.timeout_s)

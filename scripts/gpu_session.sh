@@ -6,7 +6,7 @@
 # 1. csrc/ kernels: JIT build, correctness against the PyTorch reference, timings at Qwen3-8B
 #    shapes (benchmarks/gpu_kernels.py; writes gpu_kernels.{json,md}).
 # 2. the tiny target recipe on the GPU in the time that is left: pre-training, SFT, then whole
-#    agent sessions up to 30k tokens, each with a wall-clock budget (vllm_dlite.target.train /
+#    agent sessions up to 30k tokens, each with a wall-clock budget (lab.target.train /
 #    .sft / .long --device cuda --time-budget-s), starting from the cached tokenized corpus in
 #    data/ (made on the CPU by the same recipe). GPU_SESSION_KERNELS=0 skips step 1.
 #    The result comes back as target.tar (split into < 16 MB parts).
@@ -30,13 +30,13 @@ pre=$((left * 50 / 100)); sft=$((left * 25 / 100 - 10)); long=$((left * 25 / 100
 TGT=/tmp/qwen3-tiny-stdlib
 rm -rf "$TGT"; mkdir -p "$TGT"
 cp models/qwen3-tiny-stdlib/{tokenizer.json,tokenizer_config.json,chat_template.jinja} "$TGT"/
-python3 -m vllm_dlite.target.train --out "$TGT" --device cuda --time-budget-s "$pre" \
+python3 -m lab.target.train --out "$TGT" --device cuda --time-budget-s "$pre" \
     --seq-len 1024 --batch-size 32 --lr 1.5e-3 > "$OUT_DIR/target.log" 2>&1
 echo "pretrain rc $? after $(( $(date +%s) - START )) s"
-python3 -m vllm_dlite.target.sft --target "$TGT" --device cuda --time-budget-s "$sft" \
+python3 -m lab.target.sft --target "$TGT" --device cuda --time-budget-s "$sft" \
     --batch-size 32 --window 1024 >> "$OUT_DIR/target.log" 2>&1
 echo "sft rc $? after $(( $(date +%s) - START )) s"
-python3 -m vllm_dlite.target.long --target "$TGT" --device cuda --time-budget-s "$long" \
+python3 -m lab.target.long --target "$TGT" --device cuda --time-budget-s "$long" \
     --state /tmp/target-long-state.pt >> "$OUT_DIR/target.log" 2>&1
 echo "long rc $? after $(( $(date +%s) - START )) s"
 grep -E "^\[(corpus|model)\]|heldout|step [0-9]*0 " "$OUT_DIR/target.log" | tail -n 30

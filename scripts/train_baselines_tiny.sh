@@ -15,7 +15,7 @@
 # Muon + AdamW at lr 1e-3 with linear decay, EAGLE-3 --ttt-steps 3, DFlash --max-anchors 512. That is
 # what fitted on the 2-core CPU then (EAGLE-3 ~15 s/step with 3 TTT steps, ~32 s with 7; DFlash
 # ~5-8 s/step). Since the tile-sparse attention and heap reuse of
-# vllm_dlite/train/speculators_patches.py (one thread, CPU seconds a step, median of steps 2-7):
+# vllm_dlite/train/baselines/patches.py (one thread, CPU seconds a step, median of steps 2-7):
 # EAGLE-3 3.9 s with 3 TTT steps, 9.2 s with 7 (was 30.6 s); DFlash 1.55 s (was 4.8 s), i.e.
 # ~15 / ~36 / ~6 min an epoch of 236 steps on one core.
 # DLite's shipped drafter had 6 stable epochs on a GPU, see README "A/B" for the budget comparison.

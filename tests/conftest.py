@@ -26,7 +26,8 @@ def replay_shipped(prompts: list[list[int]], method: str, tensor_parallel_size: 
     """One fresh engine over the shipped target (``method`` = none / dlite), in its own process."""
     import helpers_vllm as H
 
-    from vllm_dlite.vllm.replay_engine import replay_in_fresh_process, speculative_config
+    from lab.harness.replay import replay_in_fresh_process
+    from vllm_dlite.vllm.engine import speculative_config
 
     env = dict(H.vllm_env())
     if tensor_parallel_size > 1:
@@ -42,7 +43,7 @@ def replay_shipped(prompts: list[list[int]], method: str, tensor_parallel_size: 
 def shipped_requests():
     from transformers import AutoTokenizer
 
-    from vllm_dlite.eval.offline import load_requests
+    from vllm_dlite.train.offline_eval import load_requests
 
     tok = AutoTokenizer.from_pretrained(str(TARGET_DIR))
     return load_requests(tok, [str(WORKLOADS / "heldout_agentic.jsonl"), str(WORKLOADS / "heldout_code.jsonl")],

@@ -72,7 +72,7 @@ def make_prompts(n: int) -> list[str]:
 
 
 def _build_tokenizer(vocab_size: int):
-    from vllm_dlite.target.tokenizer import train_tokenizer
+    from lab.target.tokenizer import train_tokenizer
 
     return train_tokenizer(_CORPUS * 4, vocab_size=vocab_size)
 

@@ -12,9 +12,9 @@ import helpers_vllm as H
 import pytest
 import torch
 
-from vllm_dlite.train import baseline_features as BF
+from vllm_dlite.train.baselines import features as BF
 from vllm_dlite.train import baselines as B
-from vllm_dlite.train import speculators_patches as SP
+from vllm_dlite.train.baselines import patches as SP
 
 K = 7
 N_SEQ = 8

@@ -64,7 +64,7 @@ LOGPROB_TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from vllm_dlite.vllm.server import VLLMServer
+    from lab.harness.server import VLLMServer
 
     logs = tmp_path_factory.mktemp("sampling-matrix")
     plain = VLLMServer(MODEL, *FLAGS, env=ENV, cwd=REPO, log_path=logs / "plain.log")

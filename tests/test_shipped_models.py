@@ -4,7 +4,7 @@ offline, no draft KV, and the OpenAI server with ``/metrics``.
 * greedy replies to held-out agentic and code turns are identical token for token with and without
   DLite (K = 7);
 * vLLM's tau (``1 + accepted / drafts`` from its spec-decode counters) agrees with the offline
-  estimator (``vllm_dlite.eval.offline``: HF target, one request at a time) within 5% on the same
+  estimator (``vllm_dlite.train.offline_eval``: HF target, one request at a time) within 5% on the same
   prompts and lengths;
 * the KV pool with DLite equals the pool without speculation.
 
@@ -54,7 +54,7 @@ def test_no_draft_kv_cache(shipped_replays):
 
 @pytest.mark.slow
 def test_vllm_tau_matches_offline_estimator(shipped_requests, shipped_replays):
-    from vllm_dlite.eval.offline import build_simulator
+    from vllm_dlite.train.offline_eval import build_simulator
 
     # the drafter (dlite_v1) reads the vLLM aux ids config.aux_layer_ids and x_{a-G+1..a}
     sim = build_simulator(str(TARGET_DIR), str(DRAFTER_DIR), K, dtype=torch.float32)

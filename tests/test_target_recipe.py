@@ -6,11 +6,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from paths import TARGET_DIR, WORKLOADS
-from vllm_dlite.target.evaluate import BUCKETS, bucket_of, first_tool_name, well_formed_tool_calls
-from vllm_dlite.target.long import CURRICULUM, length_cap, supervised_window
-from vllm_dlite.target.sft import assistant_spans, turn_markers
-from vllm_dlite.target.train import render_sessions
-from vllm_dlite.workloads.schema import read_sessions
+from lab.target.evaluate import BUCKETS, bucket_of, first_tool_name, well_formed_tool_calls
+from lab.target.long import CURRICULUM, length_cap, supervised_window
+from lab.target.sft import assistant_spans, turn_markers
+from lab.target.train import render_sessions
+from vllm_dlite.train.workloads.schema import read_sessions
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_well_formed_tool_calls(session):
 
 
 def test_table_compares_reports_bucket_by_bucket():
-    from vllm_dlite.target.evaluate import format_table
+    from lab.target.evaluate import format_table
 
     def report(ok, ce):
         return {"by_bucket": {name: dict(turns_scored=10, well_formed_tool_calls=ok, same_tool_as_reference=ok / 2,
@@ -90,7 +90,7 @@ def test_long_stage_resumes_where_it_stopped(tmp_path):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from vllm_dlite.target import long
+    from lab.target import long
 
     src = tmp_path / "tiny"
     cfg = Qwen3Config(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

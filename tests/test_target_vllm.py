@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paths import TARGET_DIR, WORKLOADS
 from vllm_utils import vllm_server_process
-from vllm_dlite.workloads.replay import load_replay
+from vllm_dlite.train.workloads.replay import load_replay
 
 N_TOKENS = 64
 
@@ -88,7 +88,7 @@ def test_greedy_identical_hf_and_vllm(prompts):
 def test_openai_server_chat_with_tools(server_start):
     from openai import OpenAI
 
-    from vllm_dlite.workloads.generator import AGENT_TOOLS
+    from vllm_dlite.train.workloads.generator import AGENT_TOOLS
 
     base = server_start.result().base_url  # raises the server's start-up error
     client = OpenAI(base_url=base + "/v1", api_key="none")

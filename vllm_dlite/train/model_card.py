@@ -100,7 +100,7 @@ def model_card(report: dict[str, Any], dlite: DLiteConfig) -> str:
             "",
             "## Offline greedy acceptance (held-out replays)",
             "",
-            f"`vllm_dlite.eval.offline`: HF target ({s.get('dtype')}), K = {s['k']}, greedy, "
+            f"`vllm_dlite.train.offline_eval`: HF target ({s.get('dtype')}), K = {s['k']}, greedy, "
             f"batch 1, {s['max_new_tokens']} new tokens, prompts <= {s.get('max_prompt_tokens')} "
             f"tokens, up to {s.get('max_requests_per_kind')} requests per kind from "
             f"{s['workloads'] or s['kinds']}; tau = 1 + accepted / rounds (bonus token counted).",

@@ -582,7 +582,7 @@ class Trainer:
         self._log_console(f"drafter written to {self.out}")
 
     def _offline_eval(self) -> dict[str, Any]:
-        from vllm_dlite.eval.offline import evaluate
+        from vllm_dlite.train.offline_eval import evaluate
 
         e = self.cfg.eval
         return evaluate(

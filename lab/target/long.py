@@ -1,6 +1,6 @@
 """Third stage of the tiny target recipe: whole agent sessions up to the 32k window.
 
-    .venv/bin/python -m vllm_dlite.target.long --target models/qwen3-tiny-stdlib \\
+    .venv/bin/python -m lab.target.long --target models/qwen3-tiny-stdlib \\
         --out models/qwen3-tiny-stdlib --time-budget-s 3600
 
 Pre-training saw windows of 1,024 tokens (and a few of 8,192) and SFT windows of <= 1,024, so the
@@ -41,7 +41,7 @@ def length_cap(progress: float, max_len: int) -> int:
 
 
 def session_docs(tok, kind: str, n: int, seed: int) -> list[list[int]]:
-    from ..workloads.generator import generate
+    from vllm_dlite.train.workloads.generator import generate
 
     return render_sessions(tok, generate(kind, "train", n, seed))
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         max_len=args.max_len, curriculum=[list(c) for c in CURRICULUM], short_share=args.short_share,
         sessions=args.sessions, short_sessions=args.short_sessions, lr=args.lr, training_tokens=tokens,
         train_wall_s=round(elapsed), torch_threads=torch.get_num_threads(),
-        command="python -m vllm_dlite.target.long " + " ".join(argv if argv is not None else sys.argv[1:])))
+        command="python -m lab.target.long " + " ".join(argv if argv is not None else sys.argv[1:])))
 
 
 if __name__ == "__main__":

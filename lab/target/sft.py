@@ -1,6 +1,6 @@
 """Second stage of the tiny target recipe: supervised fine-tuning on assistant turns.
 
-    .venv/bin/python -m vllm_dlite.target.sft --target models/qwen3-tiny-stdlib
+    .venv/bin/python -m lab.target.sft --target models/qwen3-tiny-stdlib
 
 Pre-training (``train.py``) on ~1.5M tokens leaves the model near the unigram plateau on file
 contents; the agent's own turns (short replies and tool calls whose arguments are copied from the
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/qwen3-tiny-stdlib")
     ap.add_argument("--corpus", default="data/target-corpus-0-200-2000-2000-8192.pt",
-                    help="tokenized corpus cached by vllm_dlite.target.train")
+                    help="tokenized corpus cached by lab.target.train")
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--window", type=int, default=768)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         training_tokens=tokens, train_wall_s=round(wall),
         heldout_assistant_ce=round(sum(e[0].item() for e in evals) / len(evals), 4),
         heldout_all_ce=round(sum(e[1].item() for e in evals) / len(evals), 4),
-        command="python -m vllm_dlite.target.sft " + " ".join(argv if argv is not None else sys.argv[1:]))
+        command="python -m lab.target.sft " + " ".join(argv if argv is not None else sys.argv[1:]))
     model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
     append_stage(out, stage)
 

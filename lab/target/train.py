@@ -1,9 +1,9 @@
 """Recipe for the tiny Qwen3 target, trained from scratch on this machine.
 
-    .venv/bin/python -m vllm_dlite.target.train --out models/qwen3-tiny-stdlib
+    .venv/bin/python -m lab.target.train --out models/qwen3-tiny-stdlib
 
 Steps (all deterministic given ``--seed``):
-1. training-split workloads from ``vllm_dlite.workloads.generator`` (agentic, code, chat);
+1. training-split workloads from ``vllm_dlite.train.workloads.generator`` (agentic, code, chat);
 2. a byte-level BPE tokenizer (``tokenizers``) on the training-split stdlib source + sessions;
 3. a 12-layer ``Qwen3ForCausalLM`` trained with next-token loss on a mix of stdlib source
    (the running interpreter's ``Lib/``, training-split files) and chat-template-rendered
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..workloads.generator import files_of_split, generate, read_text
-from ..workloads.replay import chat_token_ids
+from vllm_dlite.train.workloads.generator import files_of_split, generate, read_text
+from vllm_dlite.train.workloads.replay import chat_token_ids
 from .tokenizer import train_tokenizer
 
 TARGET_SHAPE = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=12,
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         heldout_loss_sessions=round(mean_loss(model, heldout_docs, 1024, 24), 4),
         heldout_loss_stdlib=round(mean_loss(model, heldout_code, 1024, 24), 4),
         train_loss_last=round(loss.item(), 4), torch_threads=torch.get_num_threads(), seed=args.seed,
-        command="python -m vllm_dlite.target.train " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command="python -m lab.target.train " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     report["stages"] = stages + [{k: v for k, v in report.items() if k != "stages"}]
     report["training_tokens_all_stages"] = sum(st["training_tokens"] for st in report["stages"])

@@ -2,7 +2,7 @@
 :mod:`vllm_dlite.train.baselines` here; nothing in site-packages is edited.
 :func:`register_layer_backend` adds the ``dlite_layers`` hidden-states backend (speculators' backend
 plugin interface) that reads each method's layers out of the shared store of
-:func:`~vllm_dlite.train.baseline_features.write_feature_store`; :func:`cpu_safe_speculators` is a
+:func:`~vllm_dlite.train.baselines.features.write_feature_store`; :func:`cpu_safe_speculators` is a
 context manager that, on a machine without an accelerator, replaces the accelerator-only calls
 of speculators' trainer (device placement, autocast, step timer, checkpoint device), torch
 Muon's bf16 Newton-Schulz step and the dense masked SDPA of the draft models
@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from vllm_dlite.train.baseline_features import FEATURES_META, file_layer_ids
+from .features import FEATURES_META, file_layer_ids
 
 BACKEND_NAME = "dlite_layers"
 
@@ -33,7 +33,7 @@ def register_layer_backend() -> str:
     """Register (once) the ``dlite_layers`` hidden-states backend with hs_connectors.
 
     speculators' ``file`` backend, extended for the stores of
-    :func:`~vllm_dlite.train.baseline_features.write_feature_store`: row ``r`` of the table reads
+    :func:`~vllm_dlite.train.baselines.features.write_feature_store`: row ``r`` of the table reads
     ``hs_{file_index[r]}`` (from the store, else from its ``reuse`` directory) and returns only
     ``target_layer_ids + [N]`` (the ids come from the file's metadata), so one store serves every
     method. Returns the backend name.

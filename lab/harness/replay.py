@@ -1,7 +1,7 @@
-"""Run replay requests through a fresh vLLM engine with one speculative method; read its metrics.
+"""Replay requests through a fresh vLLM engine with one speculative method; read its metrics.
 
 Shared by ``examples/offline_generate.py`` and ``benchmarks/ab.py`` so that every method runs
-with identical engine settings. Terms (vLLM's conventions):
+with identical engine settings (built by :mod:`vllm_dlite.vllm.engine`). Terms (vLLM's conventions):
 
 * ``num_drafts``: verification rounds that carried a draft; ``accepted``: draft tokens accepted.
 * ``tau`` (mean acceptance length) = tokens produced per target verification, counting the bonus
@@ -18,40 +18,13 @@ with identical engine settings. Terms (vLLM's conventions):
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-METHODS = ("none", "ngram", "suffix", "eagle3", "dflash", "dlite", "dlite-adaptive", "dlite-hybrid")
-
-
-class MethodUnavailable(RuntimeError):
-    """A speculative method cannot run in this environment (reported, never silently dropped)."""
-
-
-def speculative_config(method: str, k: int, drafter: str | Path | None = None) -> dict | None:
-    """The ``speculative_config`` dict vLLM takes for ``method`` (None: no speculation)."""
-    if method == "none":
-        return None
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 5}
-    if method == "suffix":
-        try:
-            import arctic_inference.suffix_decoding  # noqa: F401  (vLLM's suffix decoding backend)
-        except ImportError as exc:
-            raise MethodUnavailable(
-                f"suffix decoding needs the arctic-inference package ({exc}); PyPI has only its source "
-                "archive: build and install it with bash scripts/install_suffix_decoding.sh") from None
-        return {"method": "suffix", "num_speculative_tokens": k}
-    if method in ("eagle3", "dflash", "dlite", "dlite-adaptive", "dlite-hybrid"):  # dlite-*: the dlite drafter
-        if drafter is None or not Path(drafter).is_dir():
-            raise MethodUnavailable(f"{method}: drafter checkpoint directory {drafter!r} not found")
-        return {"method": method, "model": str(drafter), "num_speculative_tokens": k}
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+from vllm_dlite.vllm.engine import build_llm, shutdown
 
 
 @dataclass
@@ -101,51 +74,6 @@ def spec_decode_counters(llm) -> dict:
             vals = list(m.values)
             out["per_pos"] = [a + b for a, b in zip(vals, out["per_pos"])] if out["per_pos"] else vals
     return out
-
-
-def cpu_thread_binding(tensor_parallel_size: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tensor_parallel_size`` CPU workers: this process's allowed
-    cores split into one contiguous group per rank (``"0|1"`` on 2 cores, ``"0-7|8-15"`` on 16).
-    vLLM's CPU backend needs one entry per rank; without it TP start-up fails with "Not enough
-    allowed NUMA nodes"."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} on CPU needs one core per rank, but this "
-            f"process may use {len(cores)} core(s) ({cores}); lower tensor_parallel_size"
-        )
-    per_rank = len(cores) // tensor_parallel_size
-    groups = [cores[r * per_rank:(r + 1) * per_rank] for r in range(tensor_parallel_size)]
-    return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
-
-
-def tensor_parallel_env(tensor_parallel_size: int) -> dict[str, str]:
-    """Environment a vLLM engine or server with ``tensor_parallel_size`` workers needs here: on CPU
-    with TP > 1, ``VLLM_CPU_OMP_THREADS_BIND`` with one core group per rank (unless the current
-    value already lists one entry per rank); nothing on a GPU or at TP = 1."""
-    from vllm.platforms import current_platform
-
-    if tensor_parallel_size <= 1 or not current_platform.is_cpu():
-        return {}
-    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if binding.count("|") == tensor_parallel_size - 1:
-        return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tensor_parallel_size)}
-
-
-def build_llm(target: str | Path, spec: dict | None, *, dtype: str = "float32", max_model_len: int = 32768,
-              seed: int = 0, max_num_seqs: int = 16, **engine_kwargs):
-    """``vllm.LLM`` with the settings every method shares. On CPU with ``tensor_parallel_size > 1``
-    it pins each rank to its own cores unless ``VLLM_CPU_OMP_THREADS_BIND`` already lists one
-    entry per rank."""
-    from vllm import LLM
-
-    os.environ.update(tensor_parallel_env(int(engine_kwargs.get("tensor_parallel_size", 1) or 1)))
-    if spec is not None:  # per-request acceptance histograms (vLLM refuses the option without speculation)
-        engine_kwargs.setdefault("per_request_spec_decode_metrics", "summary")
-    return LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, seed=seed,
-               max_num_seqs=max_num_seqs, speculative_config=spec, disable_log_stats=False,
-               **engine_kwargs)
 
 
 def kv_pool_tokens(llm) -> int:
@@ -310,13 +238,3 @@ def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list
 
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
         return pool.submit(replay_once, str(target), spec, prompts, opts).result()
-
-
-def shutdown(llm) -> None:
-    """Free an engine before building the next one in the same process."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort; the in-process core has nothing to stop
-        pass
-    del llm
-    gc.collect()

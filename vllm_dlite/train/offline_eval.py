@@ -1,11 +1,11 @@
 """Offline acceptance estimator: greedy speculative decoding simulated with HF transformers.
 
-    python -m vllm_dlite.eval.offline --target T --drafter D --workload W.jsonl [W2.jsonl ...] \
+    python -m vllm_dlite.train.offline_eval --target T --drafter D --workload W.jsonl [W2.jsonl ...] \
         --k 7 --max-new-tokens 256 --out report.json
 
 No vLLM: the target runs in PyTorch with its KV cache (HF ``DynamicCache``), so the numbers are
 available before (and independently of) the serving integration. For every replay request
-(:mod:`vllm_dlite.workloads.replay`: one request per assistant turn, prompt = rendered history):
+(:mod:`vllm_dlite.train.workloads.replay`: one request per assistant turn, prompt = rendered history):
 
 1. prefill the prompt; the target's argmax is the first new token ``y_1`` (the first anchor), the
    last prompt row gives its features;
@@ -231,9 +231,9 @@ def load_requests(tokenizer, workloads: Sequence[str] = (), kinds: Optional[dict
                   split: str = "heldout", seed: int = 1, max_prompt_tokens: Optional[int] = None,
                   max_requests_per_kind: Optional[int] = None) -> list:
     """Replay requests from workload JSONL files and/or freshly generated sessions."""
-    from vllm_dlite.workloads.generator import generate
-    from vllm_dlite.workloads.replay import replay_requests
-    from vllm_dlite.workloads.schema import read_sessions
+    from vllm_dlite.train.workloads.generator import generate
+    from vllm_dlite.train.workloads.replay import replay_requests
+    from vllm_dlite.train.workloads.schema import read_sessions
 
     sessions: list[dict] = []
     for path in workloads:
@@ -307,7 +307,7 @@ def evaluate(
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m vllm_dlite.eval.offline", description=__doc__,
+        prog="python -m vllm_dlite.train.offline_eval", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--target", required=True, help="HF target model directory")

@@ -1,6 +1,6 @@
 """Evaluate the tiny target on held-out agentic turns, per prompt-length bucket.
 
-    .venv/bin/python -m vllm_dlite.target.evaluate --target models/qwen3-tiny-stdlib \\
+    .venv/bin/python -m lab.target.evaluate --target models/qwen3-tiny-stdlib \\
         --out models/qwen3-tiny-stdlib/eval_heldout_agentic.json
 
 Per bucket of prompt tokens (``BUCKETS``: 0-2k, 2k-4k, 4k-8k, 8k-16k, 16k-32k):
@@ -65,7 +65,7 @@ def assistant_ce_by_bucket(target: str, sessions: list[dict], max_tokens: int) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..workloads.replay import chat_token_ids
+    from vllm_dlite.train.workloads.replay import chat_token_ids
     from .sft import assistant_spans, turn_markers
 
     tok = AutoTokenizer.from_pretrained(target)
@@ -105,24 +105,25 @@ def main(argv: list[str] | None = None) -> None:
         load = (lambda p: json.load(open(p)) if p else None)
         print(format_table(load(args.table), load(args.before)))
         return
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: 8 prompts of 30k tokens fit
-
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from ..workloads.replay import load_replay
-    from ..workloads.schema import read_sessions
+    from vllm_dlite.vllm.engine import build_llm, shutdown, use_cpu_env
+
+    from vllm_dlite.train.workloads.replay import load_replay
+    from vllm_dlite.train.workloads.schema import read_sessions
 
     tok = AutoTokenizer.from_pretrained(args.target)
     sessions = list(read_sessions(args.workload))
     tools = {s["id"]: s["tools"] for s in sessions}
     reqs = [r for r in load_replay(args.workload, tok, max_prompt_tokens=args.max_prompt_tokens)
             if r.reference.get("tool_calls")]
-    llm = LLM(model=args.target, dtype="float32", max_model_len=args.max_prompt_tokens + args.max_tokens,
-              seed=0, max_num_seqs=8, enable_prefix_caching=True)
+    use_cpu_env(4)  # GiB: 8 prompts of 30k tokens fit
+    llm = build_llm(args.target, None, dtype="float32", max_model_len=args.max_prompt_tokens + args.max_tokens,
+                    seed=0, max_num_seqs=8, enable_prefix_caching=True)
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs],
                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=False)
-    del llm
+    shutdown(llm)
 
     rows: dict[str, list[dict]] = {name: [] for _, _, name in BUCKETS}
     for r, o in zip(reqs, outs):
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                              "samples": [{k: x[k] for k in ("prompt_tokens", "prompt_tail", "reply")}
                                          for x in rows[name][: args.samples]]}
                       for lo, hi, name in BUCKETS},
-        "command": "python -m vllm_dlite.target.evaluate " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m lab.target.evaluate " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     print(json.dumps({k: v for k, v in report.items() if k != "by_bucket"}, indent=2))
     print(format_table(report))
