@@ -23,7 +23,8 @@ Contract:
   (``DraftTimer``: the whole runner call and the drafter's own ``propose``); the steady-state
   rounds (after a verification) of the concurrency-1 run are grouped by the request's context
   length (nearest of 1k / 4k / 16k tokens on a log scale) and the medians are reported (rounds
-  after a prefill chunk separately: there vLLM concatenates the whole chunk's aux hidden states);
+  after a prefill chunk separately, the whole runner call and the drafter's own ``propose``: there
+  vLLM's runner first concatenates the whole chunk's aux hidden states);
 * tau against prompt length (``tau_by_prompt_tokens``, from the lowest concurrency's run): the
   requests are grouped by prompt length into EXACTLY the buckets ``"0-2k"`` [0, 2048),
   ``"2k-8k"`` [2048, 8192) and ``"8k-32k"`` [8192, 32768) tokens; per bucket the request, draft,
@@ -164,6 +165,8 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
                 "drafter_median_ms": 1000 * statistics.median(d[1] for d in steady),
                 "rounds": len(steady),
                 "after_prefill_median_ms": 1000 * statistics.median(d[0] for d in rounds if not d[4])
+                if len(steady) < len(rounds) else None,
+                "after_prefill_drafter_median_ms": 1000 * statistics.median(d[1] for d in rounds if not d[4])
                 if len(steady) < len(rounds) else None,
                 "after_prefill_rounds": len(rounds) - len(steady),
             }
