@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         marker="o", label=name)
     ax_loss.set(xlabel="fraction of the run", ylabel="training loss (each method's own)", yscale="log")
     ax_acc.set(xlabel="fraction of the run", ylabel="position-1 accuracy on training batches")
-    ax_val.set(xlabel="epoch", ylabel="held-out loss (speculators' validation split)")
+    ax_val.set(xlabel="epoch", ylabel="held-out loss (speculators' validation split)", yscale="log")
     ax_acc.legend()
     ax_val.legend()
     fig.tight_layout()
