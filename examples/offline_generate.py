@@ -14,7 +14,6 @@ tokens.
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -5,18 +5,15 @@ speculative config). Fast: no engine is started. The end-to-end check is
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 pytest.importorskip("vllm")
 
-from vllm_dlite.vllm import cpu_fixes, plugin  # noqa: E402
+from vllm_dlite.vllm import cpu_fixes, plugin
 
 
 # ----------------------------------------------------------------------------- scope

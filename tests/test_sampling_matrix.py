@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paths import DRAFTER_DIR, REPO  # noqa: E402
+from paths import DRAFTER_DIR, REPO
 
 requests = pytest.importorskip("requests")
 

@@ -15,21 +15,18 @@ under load in ``test_serving_faults.py``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import helpers_vllm as H  # noqa: E402
-from paths import DRAFTER_DIR, TARGET_DIR  # noqa: E402
+import helpers_vllm as H
+from paths import DRAFTER_DIR, TARGET_DIR
 
 H.apply_vllm_env()
 torch.set_num_threads(1)
 vllm = pytest.importorskip("vllm")
 
-from conftest import (SHIPPED_K as K, SHIPPED_MAX_TOKENS as MAX_TOKENS,  # noqa: E402
+from conftest import (SHIPPED_K as K, SHIPPED_MAX_TOKENS as MAX_TOKENS,
                       SHIPPED_REQUESTS_PER_KIND as REQUESTS_PER_KIND)
 
 pytestmark = pytest.mark.skipif(not (DRAFTER_DIR / "model.safetensors").exists(),

@@ -573,7 +573,6 @@ def test_one_command_trains_a_drafter_for_another_local_qwen3(tmp_path):
     trains teacher -> kl -> stable, exports a loadable drafter and evaluates it offline.
     Only the sizes are shrunk (``--set``) so it runs in about two minutes on a CPU, and the
     regeneration engine runs eager (``extra_llm_kwargs``: vLLM's compilation only slows its start-up)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import helpers_vllm as H
 
     from vllm_dlite.model import load_drafter
@@ -634,7 +633,6 @@ def test_training_features_equal_what_vllm_serves(tmp_path):
     """The trainer's features (TargetFeatureExtractor, vLLM aux ids config.aux_layer_ids) are the
     rows vLLM hands the DLite proposer: for every drafting call recorded inside vLLM, the row at
     a-1 of the training extractor on the same tokens (found by the anchor group) matches."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import helpers_vllm as H
     from transformers import AutoTokenizer
     from vllm import SamplingParams
