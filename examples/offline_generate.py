@@ -14,6 +14,7 @@ tokens.
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def main() -> None:
     from vllm_dlite.vllm.engine import MethodUnavailable, speculative_config, use_cpu_env
 
     use_cpu_env(2)
+    if args.tensor_parallel_size == 1:  # in-process engine core: the adaptive methods' counters are read there
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     tok = AutoTokenizer.from_pretrained(args.target)
     requests = load_replay(args.workload, tok, max_prompt_tokens=args.max_prompt_tokens)
