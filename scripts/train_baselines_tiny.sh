@@ -15,9 +15,10 @@
 # it is served (K = 7), DFlash block 8 (--max-anchors 512); Muon + AdamW at lr 1e-3, linear decay.
 # One CPU thread, tile-sparse attention and heap reuse of vllm_dlite/train/baselines/patches.py:
 # DFlash 1.6 s a step (2,318 s for 6 epochs of 236 steps), EAGLE-3 ~9.4 s (~3.7 h).
-# A run longer than a session resumes from speculators' checkpoints (saved at every epoch end and,
-# on SIGINT/SIGTERM, mid-epoch): re-run the same command. A copy committed under resume/<name>/
-# seeds a machine whose runs/ lacks one.
+# A run longer than a session resumes from speculators' checkpoints: re-run the same command. They
+# are saved at every epoch end (EAGLE-3: every quarter epoch, --checkpoint-freq 0.25); the save
+# speculators makes on SIGINT/SIGTERM ("interrupted") is NOT resumed from. A copy committed under
+# resume/<name>/ seeds a machine whose runs/ lacks one.
 # Overrides: EPOCHS=... METHODS="eagle3 dflash dspark" DATA=... EAGLE3_ARGS="--ttt-steps 7" \
 #   REUSE=runs/dlite-qwen3-tiny-stdlib/data/features/hidden_states (DLite's feature files, same data)
 #   bash scripts/train_baselines_tiny.sh [extra flags for every method]
@@ -30,7 +31,7 @@ DATA=${DATA:-runs/dlite-qwen3-tiny-stdlib/data/sequences.jsonl}
 WORK=${WORK:-runs/baselines}
 EPOCHS=${EPOCHS:-6}
 METHODS=${METHODS:-eagle3 dflash}
-EAGLE3_ARGS=${EAGLE3_ARGS:---ttt-steps 7}
+EAGLE3_ARGS=${EAGLE3_ARGS:---ttt-steps 7 --speculators-arg=--checkpoint-freq=0.25}
 REUSE=${REUSE:-}
 NAME=$(basename "$TARGET")
 FEATURES=$WORK/features-$NAME
