@@ -283,3 +283,18 @@ def test_shipped_baseline_is_what_vllm_expects(method):
                         speculative_config=B.vllm_speculative_config(method, out, K)).create_engine_config()
     assert config.speculative_config.num_speculative_tokens == K
     assert config.speculative_config.method == method
+
+
+def test_an_interrupted_run_is_not_exported(tmp_path):
+    """speculators returns normally after SIGINT; only a checkpoint closing the last epoch exports."""
+    for epoch, local_step in ((0, 0), (3, 0)):
+        (tmp_path / str(epoch)).mkdir()
+        (tmp_path / str(epoch) / "training_state.json").write_text(
+            json.dumps({"epoch": epoch, "local_step": local_step}))
+    assert B.last_checkpoint(tmp_path) == tmp_path / "3"
+    with pytest.raises(SystemExit, match="before the end of epoch 6"):
+        B.last_checkpoint(tmp_path, 6)
+    assert B.last_checkpoint(tmp_path, 4) == tmp_path / "3"
+    (tmp_path / "3" / "training_state.json").write_text(json.dumps({"epoch": 3, "local_step": 59}))
+    with pytest.raises(SystemExit, match="step 59"):
+        B.last_checkpoint(tmp_path, 4)

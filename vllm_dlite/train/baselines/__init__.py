@@ -213,13 +213,24 @@ def run_speculators(argv: Sequence[str]) -> None:
         speculators_main(cfg)
 
 
-def last_checkpoint(save_path: PathLike) -> Path:
-    """The highest-numbered epoch directory speculators wrote under ``save_path``."""
-    epochs = [int(p.name) for p in Path(save_path).iterdir()
-              if p.is_dir() and not p.is_symlink() and p.name.isdigit()]
-    if not epochs:
+def last_checkpoint(save_path: PathLike, epochs: Optional[int] = None) -> Path:
+    """The highest-numbered epoch directory speculators wrote under ``save_path``; with ``epochs``,
+    only if it closes the run's last epoch (speculators returns normally after a SIGINT/SIGTERM too,
+    and a half-trained drafter must not be exported as the finished one)."""
+    numbered = [int(p.name) for p in Path(save_path).iterdir()
+                if p.is_dir() and not p.is_symlink() and p.name.isdigit()]
+    if not numbered:
         raise FileNotFoundError(f"no epoch checkpoint under {save_path}")
-    return Path(save_path) / str(max(epochs))
+    last = Path(save_path) / str(max(numbered))
+    if epochs is not None:
+        state_path = last / "training_state.json"
+        state = json.loads(state_path.read_text()) if state_path.exists() else {}
+        if max(numbered) < epochs - 1 or state.get("local_step", 0) > 0:
+            raise SystemExit(
+                f"speculators stopped before the end of epoch {epochs} (last checkpoint: epoch "
+                f"{max(numbered) + 1}, step {state.get('local_step', 0)} of it): nothing exported; "
+                "re-run the same command to resume")
+    return last
 
 
 # =========================================================================== 4. export
@@ -396,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
     t_train = time.time() - t0
 
     # 4. export
-    src = last_checkpoint(recipe.save_path)
+    src = last_checkpoint(recipe.save_path, recipe.epochs)
     cmd = shlex.join([sys.executable.rsplit("/", 1)[-1], "-m", "vllm_dlite.train.baselines",
                       *(argv if argv is not None else sys.argv[1:])])
     readme = _readme(args.method, recipe, spec_argv, cmd, len(sequences), sequences.num_tokens,
