@@ -46,8 +46,10 @@ def main() -> None:
     from vllm_dlite.train.workloads.replay import load_replay
     from vllm_dlite.vllm.engine import MethodUnavailable, speculative_config, use_cpu_env
 
-    use_cpu_env(2)
-    if args.tensor_parallel_size == 1:  # in-process engine core: the adaptive methods' counters are read there
+    # one OpenMP thread (small CPU matmuls: spinning threads only contend); at TP = 1 the engine core
+    # runs in-process, where the adaptive methods' counters are read
+    use_cpu_env(2, threads=1)
+    if args.tensor_parallel_size == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     tok = AutoTokenizer.from_pretrained(args.target)
