@@ -9,6 +9,8 @@ Contract:
   format) becomes one request, its prompt rendered with the target's chat template and tools
   (``vllm_dlite.train.workloads.replay``); ``--max-requests N`` keeps N of them spread evenly over the
   file (for slow machines; the default keeps all);
+* ``NAME@k`` in ``--methods`` is that method with ``k <= -k`` tokens per round (``dlite@3``), so that
+  fixed k's and the adaptive methods compare in one run;
 * ``dlite-adaptive`` / ``dlite-hybrid`` (``vllm_dlite.vllm.adaptive``) use the ``--dlite`` drafter;
   their results add ``drafting_by_concurrency`` (the proposer's accepted/proposed tokens per
   source, rounds by phase, the measured cost model) and a table in ``results.md``;
@@ -72,6 +74,13 @@ PROMPT_BUCKETS = (("0-2k", 0, 2048), ("2k-8k", 2048, 8192), ("8k-32k", 8192, 327
 MODEL_LEN_MARGIN = 8  # max model len = max prompt tokens + max tokens + K + this
 
 
+def parse_method(name: str) -> tuple[str, int | None]:
+    """``method`` or ``method@k``: the same method with ``k`` speculative tokens per round instead of
+    ``-k`` (``dlite@3``: fixed-k DLite drafting 3 of its K), so that several k compare in one run."""
+    method, _, k = name.partition("@")
+    return method, (int(k) if k else None)
+
+
 def default_drafter(method: str) -> Path:
     return REPO / "models" / f"{method}-qwen3-tiny-stdlib"
 
@@ -128,8 +137,9 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
     from vllm_dlite.vllm.engine import MethodUnavailable, speculative_config
     from lab.harness.replay import replay_in_fresh_process
 
+    base, k = parse_method(method)
     try:
-        spec = speculative_config(method, args.k, drafter)
+        spec = speculative_config(base, k or args.k, drafter)
     except MethodUnavailable as exc:
         return {"status": "unavailable", "reason": str(exc)}
     per_concurrency, draft_rounds, request_spec, drafting = {}, [], [], {}
@@ -361,9 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--concurrency: every level must be >= 1")
     args.max_model_len = args.max_prompt_tokens + args.max_tokens + args.k + MODEL_LEN_MARGIN
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    try:
+        parsed = {m: parse_method(m) for m in methods}
+    except ValueError:
+        ap.error(f"--methods: {args.methods!r}: a method is NAME or NAME@k with an integer k (e.g. dlite@3)")
+    unknown = [m for m, (base, _) in parsed.items() if base not in METHODS]
     if unknown or not methods:
-        ap.error(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(METHODS)}")
+        ap.error(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(METHODS)} "
+                 "(NAME@k: that method with k tokens per round)")
+    bad_k = [m for m, (base, k) in parsed.items() if k is not None and (base == "none" or not 1 <= k <= args.k)]
+    if bad_k:
+        ap.error(f"--methods: {bad_k}: NAME@k needs a speculative method and 1 <= k <= -k ({args.k}); "
+                 "raise -k for a larger k")
     if args.tensor_parallel_size < 1:
         ap.error("--tensor-parallel-size must be >= 1")
     if not Path(args.workload).is_file():
@@ -398,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens_max=max(map(len, prompts)), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
         drafters={m: getattr(args, m) for m in ("dlite", "eagle3", "dflash")
-                  if any(x.split("-")[0] == m for x in methods)},
+                  if any(parse_method(x)[0].split("-")[0] == m for x in methods)},
         command="python benchmarks/ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     print(json.dumps(settings), flush=True)
@@ -406,9 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     kept, kept_outputs, earlier = previous_results(args.out, settings, methods) if args.merge else ({}, {}, {})
     t0 = time.time()
     # dlite-adaptive / dlite-hybrid use the --dlite drafter
-    results = {m: run_method(args, m, prompts, getattr(args, m.split("-")[0], None)) for m in methods}
+    results = {m: run_method(args, m, prompts, getattr(args, parse_method(m)[0].split("-")[0], None))
+               for m in methods}
     outputs = {**kept_outputs, **{m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}}
-    results = {m: results.get(m) or kept[m] for m in METHODS if m in results or m in kept}
+    order = sorted({*results, *kept}, key=lambda m: (METHODS.index(parse_method(m)[0]), parse_method(m)[1] or args.k))
+    results = {m: results.get(m) or kept[m] for m in order}
     base = outputs.get("none")
     for m, r in results.items():
         if base and m in outputs and m != "none" and args.temperature == 0:

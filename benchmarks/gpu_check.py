@@ -730,7 +730,7 @@ def stage_d(args, rec: dict, save: Callable[[], None], shapes: Optional[Qwen3Sha
             continue
         feats = torch.randn(b, s.features, s.hidden, generator=g, device=device, dtype=dtype)
         ids = torch.randint(0, s.vocab - 1, (b, 1), generator=g, device=device)
-        ms, how = time_fn(lambda: drafter.draft(feats, ids, temperature=0.0, num_steps=K), device, args.d_iters, True)
+        ms, how = time_fn(lambda: drafter.draft(feats, ids, temperature=0.0, k=K), device, args.d_iters, True)
         dlite_ms[b] = dict(ms=round(ms, 3), how=how)
         rec["dlite_backend"] = dispatch.backend_report()
         for ctx in contexts:

@@ -11,7 +11,7 @@ Stages (GPU; ~1-2 minutes, most of it the JIT build):
  2. measure the device-to-device copy bandwidth (the practical ceiling, ~4.2 TB/s on an H200);
  3. correctness, fresh random inputs per check, outputs and scratch poisoned
     (DLITE_POISON_OUTPUTS=1): draft_attention vs the reference by relative error (G = 1 and 2
-    layouts); sequential_head for G = 1 and 2, several batches and num_steps, against the
+    layouts); sequential_head for G = 1 and 2, several batches and k (tokens drafted per round), against the
     reference teacher-forced with the op's own drafts (logits by relative error, ids identical
     except near-exact ties, ids == argmax(logits)); CUDA-graph replay == eager (bitwise);
  4. timing at Qwen3-8B shapes (H 4096, r 512, V 151936, K 7, bf16, L 14, h_q 32, h_kv 8, D 128):
@@ -67,7 +67,7 @@ ATTN_CASES = [
     (5, 1, 4, 1, 8, 8, 64, "fp32"),
     (2, 2, 16, 36, 16, 4, 256, "bf16"),   # > 48 KiB shared memory
 ]
-# sequential_head checks: (b, K, H, r, V, G, num_steps, dtype)
+# sequential_head checks: (b, K, H, r, V, G, k, dtype)
 HEAD_CASES = [
     (1, 7, 4096, 512, 151936, 1, 7, "bf16"),    # Qwen3-8B, batch 1
     (1, 7, 4096, 512, 151936, 2, 7, "bf16"),    # G = 2 (primed)
@@ -133,7 +133,7 @@ def stages(args: argparse.Namespace) -> list[str]:
         f"check draft_attention vs reference: {len(ATTN_CASES)} cases (b, G, B, L, Hq, Hkv, D, dtype) "
         f"= {ATTN_CASES}",
         f"check sequential_head vs teacher-forced reference: {len(HEAD_CASES)} cases "
-        f"(b, K, H, r, V, G, num_steps, dtype) = {HEAD_CASES}",
+        f"(b, K, H, r, V, G, k, dtype) = {HEAD_CASES}",
         "check CUDA graph replay == eager (both ops)",
         f"time sequential_head per round (K = 7, CUDA graph) at Qwen3-8B shapes, batches "
         f"{args.batch_list}, op and reference, achieved bandwidth vs copy bandwidth",
@@ -215,16 +215,16 @@ def check_attention(chk: Checker, case, device, gen) -> None:
 def check_head(chk: Checker, case, device, gen) -> None:
     b, K, H, r, V, G, k, dt = case
     dtype = DTYPES[dt]
-    name = f"sequential_head b={b} K={K} H={H} r={r} V={V} G={G} num_steps={k} {dt}"
+    name = f"sequential_head b={b} K={K} H={H} r={r} V={V} G={G} k={k} {dt}"
     args = head_inputs(b, K, H, r, V, G, dtype, device, gen)
     d, anchor, prime, *w = args
-    ids, logits = ops.sequential_head(*args, num_steps=k)
+    ids, logits = ops.sequential_head(*args, k=k)
     route = dispatch._last.get("sequential_head", "?")
     forced = torch.zeros(b, K, dtype=torch.long, device=device)
     forced[:, :k] = ids.clamp(0, V - 1)
     # the reference fed with the op's own drafts: the same inputs at every step
     ref_logits = reference.sequential_head_teacher_forced(d, anchor, prime, forced, *w)[:, :k]
-    free_ids, _ = reference.sequential_head(*args, num_steps=k)
+    free_ids, _ = reference.sequential_head(*args, k=k)
     torch.cuda.synchronize()
     n_bad = int((~torch.isfinite(logits)).sum()) + int(((ids < 0) | (ids >= V)).sum())
     err = rel_err(logits, ref_logits)
@@ -472,7 +472,7 @@ def dry_run(args: argparse.Namespace, meta: dict[str, Any], calc: dict[str, Any]
     chk.add("cpu smoke: draft_attention via dispatcher", out.shape == a_args[0].shape,
             route=dispatch._last.get("draft_attention"))
     h_args = head_inputs(2, 4, 256, 64, 1000, 2, torch.bfloat16, "cpu", gen)
-    ids, logits = ops.sequential_head(*h_args, num_steps=3)
+    ids, logits = ops.sequential_head(*h_args, k=3)
     chk.add("cpu smoke: sequential_head via dispatcher",
             ids.shape == (2, 3) and logits.shape == (2, 3, 1000),
             route=dispatch._last.get("sequential_head"))

@@ -122,13 +122,13 @@ std::tuple<at::Tensor, at::Tensor> sequential_head_greedy_cuda(
     const at::Tensor& d, const at::Tensor& anchor_ids, const std::optional<at::Tensor>& prime_ids,
     const at::Tensor& prev_token_embedding, const at::Tensor& state_proj_weight,
     const at::Tensor& state_proj_bias, const at::Tensor& hidden_mlp_weight,
-    const at::Tensor& hidden_mlp_bias, const at::Tensor& output_proj_weight, int64_t num_steps) {
+    const at::Tensor& hidden_mlp_bias, const at::Tensor& output_proj_weight, int64_t k) {
   constexpr const char* op = "dlite::sequential_head_greedy_v1: ";
   TORCH_CHECK(d.dim() == 3, op, "d must be [b, K, H]");
   const int64_t B = d.size(0), K = d.size(1), H = d.size(2);
   TORCH_CHECK(output_proj_weight.dim() == 2, op, "output_proj_weight must be [V, r]");
   const int64_t V = output_proj_weight.size(0), r = output_proj_weight.size(1);
-  TORCH_CHECK(num_steps >= 0 && num_steps <= K, op, "num_steps must be in 0..K");
+  TORCH_CHECK(k >= 0 && k <= K, op, "k (tokens drafted this round) must be in 0..K");
   TORCH_CHECK(anchor_ids.sizes() == at::IntArrayRef({B}) && anchor_ids.scalar_type() == at::kLong,
               op, "anchor_ids must be int64 [b]");
   const bool primed = prime_ids.has_value();
@@ -167,21 +167,21 @@ std::tuple<at::Tensor, at::Tensor> sequential_head_greedy_cuda(
                    ws = state_proj_weight.contiguous(), bs = state_proj_bias.contiguous(),
                    wf = hidden_mlp_weight.contiguous(), bf = hidden_mlp_bias.contiguous();
   const at::Tensor prime_in = primed ? prime_ids->contiguous() : at::Tensor();
-  at::Tensor draft_ids = at::empty({B, num_steps}, d.options().dtype(at::kLong));
-  at::Tensor logits = at::empty({B, num_steps, V}, d.options().dtype(at::kFloat));
+  at::Tensor draft_ids = at::empty({B, k}, d.options().dtype(at::kLong));
+  at::Tensor logits = at::empty({B, k, V}, d.options().dtype(at::kFloat));
   const bool poison = poison_enabled();
   if (poison) {
     draft_ids.fill_(-1);
     logits.fill_(std::numeric_limits<double>::quiet_NaN());
   }
-  if (B == 0 || num_steps == 0) return {draft_ids, logits};
+  if (B == 0 || k == 0) return {draft_ids, logits};
   for (const auto& [t, name] :
        {std::pair{&dc, "d"}, {&prev_token_embedding, "prev_token_embedding"},
         {&ws, "state_proj_weight"}, {&wf, "hidden_mlp_weight"},
         {&output_proj_weight, "output_proj_weight"}})
     check_aligned(*t, name);
   at::Tensor workspace = at::empty(
-      {int64_t(dlite::sequential_head_workspace_bytes(int(H), int(r), int(num_steps)))},
+      {int64_t(dlite::sequential_head_workspace_bytes(int(H), int(r), int(k)))},
       d.options().dtype(at::kByte));
 
   dlite::SequentialHeadArgs a{};
@@ -198,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor> sequential_head_greedy_cuda(
   a.K = int(K);
   a.H = int(H);
   a.r = int(r);
-  a.num_steps = int(num_steps);
+  a.num_steps = int(k);  // one head step per drafted token
   a.V = V;
   a.dtype = to_dtype(dt);
   a.draft_ids = draft_ids.data_ptr<int64_t>();

@@ -14,7 +14,6 @@ tokens.
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -46,11 +45,7 @@ def main() -> None:
     from vllm_dlite.train.workloads.replay import load_replay
     from vllm_dlite.vllm.engine import MethodUnavailable, speculative_config, use_cpu_env
 
-    # one OpenMP thread (small CPU matmuls: spinning threads only contend); at TP = 1 the engine core
-    # runs in-process, where the adaptive methods' counters are read
-    use_cpu_env(2, threads=1)
-    if args.tensor_parallel_size == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    use_cpu_env(2, threads=1)  # one OpenMP thread: small CPU matmuls, spinning threads only contend
 
     tok = AutoTokenizer.from_pretrained(args.target)
     requests = load_replay(args.workload, tok, max_prompt_tokens=args.max_prompt_tokens)

@@ -319,9 +319,9 @@ def run_llm(
     original = DFlashDLiteDraftModel.propose_drafts
     if record:
 
-        def recording(self, features, group_ids, group_lens=None, temperatures=None, num_tokens=None,
+        def recording(self, features, group_ids, group_lens=None, temperatures=None, k=None,
                       return_logits=False):
-            ids, logits = original(self, features, group_ids, group_lens, temperatures, num_tokens,
+            ids, logits = original(self, features, group_ids, group_lens, temperatures, k,
                                    return_logits)
             records.append(
                 {

@@ -104,3 +104,15 @@ def test_markdown_has_the_bucket_table_and_tolerates_merged_methods_without_it(t
     pytest.importorskip("matplotlib")
     assert "tau_by_prompt_tokens.png" in ab.write_plots(tmp_path, results, [1])
     assert (tmp_path / "tau_by_prompt_tokens.png").stat().st_size > 0
+
+
+def test_method_at_k_names_a_fixed_k_variant_and_bad_ones_fail_before_any_engine(tmp_path, capsys):
+    assert ab.parse_method("dlite@3") == ("dlite", 3)
+    assert ab.parse_method("dlite-adaptive") == ("dlite-adaptive", None)
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("")
+    for methods, message in (("none,dlite@9", "1 <= k <= -k"), ("none@2", "speculative method"),
+                             ("dlite@x", "NAME@k"), ("dlit@3", "unknown")):
+        with pytest.raises(SystemExit):
+            ab.main(["--workload", str(workload), "--out", str(tmp_path / "o"), "--methods", methods])
+        assert message in capsys.readouterr().err, methods

@@ -496,3 +496,41 @@ def test_sampled_distribution_equals_target(request, hybrid_runs, models, method
     print(f"{method}: chi2 p={p:.3g}, dof={dof}, accepted={run.metrics['vllm:spec_decode_num_accepted_tokens']}")
     assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
     assert p > S.ALPHA, f"sampled (y1, y2) differ from the target's distribution: p={p:.2e}"
+
+
+def _counters_from_engine_process(target, drafter, prompts, greedy) -> tuple[dict | None, dict]:
+    """``collect_stats`` with the engine core in its own process (vLLM's default outside tests), and
+    vLLM's own spec-decode counters of the same run."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    H.apply_vllm_env()
+    from vllm_dlite.vllm.adaptive import collect_stats
+    from vllm_dlite.vllm.engine import build_llm, shutdown
+    from vllm_dlite.vllm.plugin import register
+
+    register()
+    # the measured cost model (numpy figures in the counters: they must cross the process boundary)
+    llm = build_llm(target, spec("dlite-adaptive", drafter, confidence_threshold=0.0, explore_rounds=8),
+                    max_model_len=256, max_num_seqs=4, enforce_eager=True)
+    llm.generate(prompts, greedy, use_tqdm=False)
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    stats = collect_stats(llm)
+    shutdown(llm)
+    return stats, metrics
+
+
+@pytest.mark.slow
+def test_counters_are_read_from_an_engine_in_its_own_process(models, prompts, greedy):
+    """``collect_stats`` asks the workers by method name (``collective_rpc("dlite_drafting_stats")``),
+    which works across processes; a function would need vLLM's insecure serialization."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        stats, metrics = pool.submit(_counters_from_engine_process, str(models.target), str(models.copy_drafter),
+                                     prompts[:4], greedy).result()
+    assert stats is not None and stats["mode"] == "adaptive" and stats["rounds"] > 0
+    assert stats["cost_model"] and stats["rounds_by_phase"]
+    assert stats["totals"]["dlite"]["accepted"] == metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert stats["totals"]["dlite"]["proposed"] == metrics.get("vllm:spec_decode_num_draft_tokens", 0)

@@ -180,7 +180,7 @@ def test_free_running_draft_equals_teacher_forced_on_its_own_drafts(G):
     assert torch.equal(out.logits.argmax(-1), out.token_ids)
 
 
-def test_num_steps_runs_only_the_needed_head_steps(monkeypatch):
+def test_k_runs_only_the_needed_head_steps(monkeypatch):
     from vllm_dlite.ops import reference
 
     cfg = small_config(2)
@@ -192,7 +192,7 @@ def test_num_steps_runs_only_the_needed_head_steps(monkeypatch):
     full = model.draft(feats, group)
     n_full = len(calls)
     calls.clear()
-    part = model.draft(feats, group, num_steps=2)
+    part = model.draft(feats, group, k=2)
     assert n_full == 1 + cfg.num_draft_tokens and len(calls) == 1 + 2  # priming + steps
     assert torch.equal(part.token_ids, full.token_ids[:, :2])
 
@@ -211,7 +211,7 @@ def test_sampling_draws_from_softmax_over_temperature():
     cfg = small_config(1)
     model, _, _ = random_drafter(cfg)
     feats, group = torch.randn(1, 4, H).expand(4000, -1, -1), torch.full((4000, 1), 7)
-    out = model.draft(feats, group, temperature=0.7, generator=torch.Generator().manual_seed(0), num_steps=1)
+    out = model.draft(feats, group, temperature=0.7, generator=torch.Generator().manual_seed(0), k=1)
     probs = torch.softmax(out.logits[0, 0] / 0.7, -1)
     freq = torch.bincount(out.token_ids[:, 0], minlength=V).float() / 4000
     assert (freq - probs).abs().max() < 0.03

@@ -8,7 +8,7 @@ cleanly; the GPU script's no-CUDA mode lists its stages and the calculated head 
 No CPU test compares the reference with itself: on CPU every routed call runs the reference.
 nvcc (skipped without it): the .cu sources compile for sm_90 with no spills and no stack frame.
 GPU (``@pytest.mark.gpu``, skipped without CUDA + built kernels): kernels vs reference for G = 1
-and 2, several batches and num_steps; CUDA graphs; determinism.
+and 2, several batches and k (tokens drafted per round); CUDA graphs; determinism.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def test_malformed_inputs_still_raise_the_reference_error(pretend_cuda):
     d, anchor, prime, *w = head_inputs()
     with pytest.raises(ValueError, match="anchor_ids"):
         ops.sequential_head(d, anchor[:1], prime, *w)
-    with pytest.raises(ValueError, match="num_steps"):
-        ops.sequential_head(d, anchor, prime, *w, num_steps=4)
+    with pytest.raises(ValueError, match="tokens drafted this round"):
+        ops.sequential_head(d, anchor, prime, *w, k=4)
     with pytest.raises(ValueError, match="temperature"):
         ops.sequential_head(d, anchor, prime, *w, temperature=-1.0)
     assert "shape check" in dispatch._last["sequential_head"]
@@ -136,18 +136,18 @@ def test_routing_picks_the_attention_op_for_supported_inputs(pretend_cuda, G):
 
 
 @pytest.mark.parametrize("prime", [False, True])
-@pytest.mark.parametrize("num_steps", [None, 1, 0])
-def test_routing_picks_the_head_op_for_greedy_supported_inputs(pretend_cuda, prime, num_steps):
+@pytest.mark.parametrize("k", [None, 1, 0])
+def test_routing_picks_the_head_op_for_greedy_supported_inputs(pretend_cuda, prime, k):
     for dtype in (torch.float16, torch.bfloat16):
         args = head_inputs(dtype=dtype, prime=prime)
-        ids, logits = ops.sequential_head(*args, temperature=1e-6, num_steps=num_steps)
+        ids, logits = ops.sequential_head(*args, temperature=1e-6, k=k)
         assert dispatch._last["sequential_head"] == "cuda", dispatch._last
-        k = 3 if num_steps is None else num_steps
-        assert ids.shape == (2, k) and ids.dtype == torch.int64
-        assert logits.shape == (2, k, 300) and logits.dtype == torch.float32
+        n = 3 if k is None else k
+        assert ids.shape == (2, n) and ids.dtype == torch.int64
+        assert logits.shape == (2, n, 300) and logits.dtype == torch.float32
     args = head_inputs(prime=prime)
     args[0] = args[0].float()  # d in fp32, head in bf16: the op casts d like the reference
-    ops.sequential_head(*args, num_steps=num_steps)
+    ops.sequential_head(*args, k=k)
     assert dispatch._last["sequential_head"] == "cuda"
 
 
@@ -274,7 +274,7 @@ def test_torch_compile_traces_the_dispatcher(pretend_cuda, prime):
 
     def fn(a, h):
         out = ops.draft_attention(*a)
-        ids, logits = ops.sequential_head(*h, num_steps=2)
+        ids, logits = ops.sequential_head(*h, k=2)
         return out, ids, logits
 
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(args, hargs)
@@ -428,15 +428,15 @@ def test_gpu_draft_attention_matches_reference(dtype, monkeypatch):
         assert err <= tol, (kw, float(err))
 
 
-def _check_head_against_reference(args, num_steps):
+def _check_head_against_reference(args, k_arg):
     """The op's drafts vs the reference fed with those same drafts (teacher forcing): logits by
     relative error; ids identical except where the reference's top two logits (near-)tie."""
     d, anchor, prime, *w = args
     b, K, _ = d.shape
     V = w[-1].shape[0]
-    ids, logits = ops.sequential_head(*args, num_steps=num_steps)
+    ids, logits = ops.sequential_head(*args, k=k_arg)
     assert dispatch._last["sequential_head"] == "cuda"
-    k = K if num_steps is None else num_steps
+    k = K if k_arg is None else k_arg
     assert ids.shape == (b, k) and logits.shape == (b, k, V)
     assert torch.isfinite(logits).all() and ((ids >= 0) & (ids < V)).all()
     assert torch.equal(ids, logits.argmax(-1))  # the fused argmax: first index among maxima
@@ -453,7 +453,7 @@ def _check_head_against_reference(args, num_steps):
         assert ((top - at)[mism] <= 2 * 2**-7 * top.abs()[mism]).all()
     # the free-running reference drafts the same tokens up to its first near-tie: at a row's
     # first difference both saw the same tokens, so the reference's gap there must be a tie
-    free_ids, free_logits = reference.sequential_head(*args, num_steps=num_steps)
+    free_ids, free_logits = reference.sequential_head(*args, k=k_arg)
     for row in range(b):
         diff = (free_ids[row] != ids[row]).nonzero()
         if len(diff):
@@ -469,8 +469,8 @@ def _check_head_against_reference(args, num_steps):
 def test_gpu_sequential_head_matches_reference(b, prime, monkeypatch):
     monkeypatch.setenv("DLITE_POISON_OUTPUTS", "1")
     args = head_inputs(b=b, K=7, H=512, r=128, V=5003, device="cuda", seed=b, prime=prime)
-    for num_steps in (None, 1, 4):
-        _check_head_against_reference(args, num_steps)
+    for k in (None, 1, 4):
+        _check_head_against_reference(args, k)
 
 
 @gpu

@@ -451,7 +451,7 @@ class BigramOracleDrafter:
     """Stateless test drafter: drafts by following a bigram table (learned from the greedy
     reference), with position 3 always wrong; records the group ids and features it is given.
     Speaks DLiteDrafter's interface (``config.aux_layer_ids``, ``config.num_draft_tokens``,
-    ``config.anchor_group_size``, ``draft(features, group_ids, num_steps=)``)."""
+    ``config.anchor_group_size``, ``draft(features, group_ids, k=)``)."""
 
     def __init__(self, table: dict[int, int], layer_ids: list[int], k: int, group_size: int = 1):
         self.table = table
@@ -459,11 +459,11 @@ class BigramOracleDrafter:
                                        "anchor_group_size": group_size})()
         self.calls: list[tuple[list[int], torch.Tensor]] = []
 
-    def draft(self, features, group_ids, num_steps=None):
+    def draft(self, features, group_ids, k=None):
         group = group_ids[0].tolist()
         self.calls.append((group, features[0].clone()))
         out, prev = [], group[-1]
-        for i in range(num_steps or self.config.num_draft_tokens):
+        for i in range(k or self.config.num_draft_tokens):
             prev = self.table.get(prev, 0)
             out.append((prev + 1) % VOCAB if i == 2 else prev)
         return type("Out", (), {"token_ids": torch.tensor([out])})()

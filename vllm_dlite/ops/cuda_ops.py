@@ -11,7 +11,7 @@ registered ``draft_attention`` / ``sequential_head_greedy``, from ever being pic
     ``dlite::draft_attention_v1(q, k_ctx, v_ctx, k_q, v_q, cos, sin, float scale) -> Tensor``
     ``dlite::sequential_head_greedy_v1(d, anchor_ids, prime_ids?, prev_token_embedding,
     state_proj_weight, state_proj_bias, hidden_mlp_weight, hidden_mlp_bias, output_proj_weight,
-    int num_steps) -> (Tensor draft_ids, Tensor logits)``
+    int k) -> (Tensor draft_ids, Tensor logits)``
 Semantics: :mod:`vllm_dlite.ops.reference` (``draft_attention``; ``sequential_head`` with
 temperature 0).
 """
@@ -34,7 +34,7 @@ SCHEMAS = {
     "sequential_head_greedy_v1": (
         "(Tensor d, Tensor anchor_ids, Tensor? prime_ids, Tensor prev_token_embedding, "
         "Tensor state_proj_weight, Tensor state_proj_bias, Tensor hidden_mlp_weight, "
-        "Tensor hidden_mlp_bias, Tensor output_proj_weight, int num_steps) -> (Tensor, Tensor)"
+        "Tensor hidden_mlp_bias, Tensor output_proj_weight, int k) -> (Tensor, Tensor)"
     ),
 }
 EXTENSION = "vllm_dlite._C"
@@ -54,12 +54,12 @@ def _draft_attention_fake(q, k_ctx, v_ctx, k_q, v_q, cos, sin, scale):
 
 def _sequential_head_greedy_fake(d, anchor_ids, prime_ids, prev_token_embedding,
                                  state_proj_weight, state_proj_bias, hidden_mlp_weight,
-                                 hidden_mlp_bias, output_proj_weight, num_steps):
+                                 hidden_mlp_bias, output_proj_weight, k):
     b = d.shape[0]
     V = output_proj_weight.shape[0]
     return (
-        d.new_empty((b, num_steps), dtype=torch.int64),
-        d.new_empty((b, num_steps, V), dtype=torch.float32),
+        d.new_empty((b, k), dtype=torch.int64),
+        d.new_empty((b, k, V), dtype=torch.float32),
     )
 
 
@@ -69,11 +69,11 @@ def _draft_attention_cpu(q, k_ctx, v_ctx, k_q, v_q, cos, sin, scale):
 
 def _sequential_head_greedy_cpu(d, anchor_ids, prime_ids, prev_token_embedding,
                                 state_proj_weight, state_proj_bias, hidden_mlp_weight,
-                                hidden_mlp_bias, output_proj_weight, num_steps):
+                                hidden_mlp_bias, output_proj_weight, k):
     return reference.sequential_head(
         d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias,
         hidden_mlp_weight, hidden_mlp_bias, output_proj_weight, temperature=0.0,
-        num_steps=num_steps,
+        k=k,
     )
 
 

@@ -149,12 +149,12 @@ def draft_attention(
 
 # ------------------------------------------------------------------------------ sequential head
 def _head_reason(d, anchor_ids, prime_ids, P, W_s, b_s, W_f, b_f, W_o, temperature,
-                 k_max) -> Optional[str]:
+                 k) -> Optional[str]:
     if d.dim() != 3 or W_o.dim() != 2:
         return "shape check"
     b, K, H = d.shape
     if (
-        not 0 <= k_max <= K
+        not 0 <= k <= K
         or anchor_ids.shape != (b,)
         or (prime_ids is not None and prime_ids.shape != (b,))
         or temperature < 0
@@ -209,25 +209,25 @@ def sequential_head(
     output_proj_weight: torch.Tensor,
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
-    num_steps: Optional[int] = None,
+    k: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatched :func:`vllm_dlite.ops.reference.sequential_head` (same contract). The kernel
     is greedy only: sampling (temperature >= GREEDY_EPS) uses the reference."""
-    k_max = (d.shape[1] if d.dim() == 3 else 0) if num_steps is None else int(num_steps)
+    k = (d.shape[1] if d.dim() == 3 else 0) if k is None else int(k)
     why = _head_reason(d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight,
                        state_proj_bias, hidden_mlp_weight, hidden_mlp_bias, output_proj_weight,
-                       temperature, k_max)
+                       temperature, k)
     if why is None:
         _record("sequential_head", "cuda")
         return torch.ops.dlite.sequential_head_greedy_v1(
             d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias,
-            hidden_mlp_weight, hidden_mlp_bias, output_proj_weight, k_max,
+            hidden_mlp_weight, hidden_mlp_bias, output_proj_weight, k,
         )
     _record("sequential_head", f"reference ({why})")
     return reference.sequential_head(
         d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias,
         hidden_mlp_weight, hidden_mlp_bias, output_proj_weight,
-        temperature=temperature, generator=generator, num_steps=num_steps,
+        temperature=temperature, generator=generator, k=k,
     )
 
 

@@ -142,15 +142,15 @@ def sequential_head(
     output_proj_weight: torch.Tensor,
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
-    num_steps: Optional[int] = None,
+    k: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated rank-r RNN head: drafts the block's tokens one after the other (DLITE_V1.md sec. 4)::
 
         s_0 = 0, or Phi(0, x_{a-1}) when prime_ids is given (G > 1)
-        for k = 1..k_max:  s_k = Phi(s_{k-1}, t_{k-1})   (t_0 = x_a, t_k = token drafted at k)
-                           logits_k = W_o (W_f [s_k ; d_k] + b_f)
-                           t_k = argmax(logits_k)              if temperature < GREEDY_EPS
-                               ~ softmax(fp32 logits_k / T)    otherwise (torch.multinomial)
+        for j = 1..k:  s_j = Phi(s_{j-1}, t_{j-1})   (t_0 = x_a, t_j = token drafted at j)
+                       logits_j = W_o (W_f [s_j ; d_j] + b_f)
+                       t_j = argmax(logits_j)              if temperature < GREEDY_EPS
+                           ~ softmax(fp32 logits_j / T)    otherwise (torch.multinomial)
 
     Args:
         d:          ``[b, K, H]`` mask-slot outputs of the backbone (after the final norm).
@@ -158,20 +158,20 @@ def sequential_head(
         prime_ids:  ``[b]`` int64 ``x_{a-1}`` (G > 1) or None (zero initial state).
         prev_token_embedding ``[V, r]``; state_proj ``[2r, 2r]`` + ``[2r]``;
         hidden_mlp ``[r, r+H]`` + ``[r]``; output_proj ``[V, r]`` (the head's own tables).
-        num_steps:  run only the first ``k_max <= K`` steps (default K): later drafts would be
-                    thrown away, so they are not computed.
+        k:          tokens drafted this round, ``0 <= k <= K`` (default K): only the first k
+                    steps run (later drafts would be thrown away).
 
     Returns:
-        ``(draft_ids [b, k_max] int64, logits [b, k_max, V] fp32)``: raw logits (the draft
+        ``(draft_ids [b, k] int64, logits [b, k, V] fp32)``: raw logits (the draft
         distribution of a sampled row is ``softmax(logits / T)``). The recurrence runs in the
         dtype of the head's weights.
     """
     from vllm_dlite.config import GREEDY_EPS
 
     b, K, _ = d.shape
-    k_max = K if num_steps is None else int(num_steps)
-    if not 0 <= k_max <= K:
-        raise ValueError(f"num_steps must be in 0..{K}, got {num_steps}")
+    k = K if k is None else int(k)
+    if not 0 <= k <= K:
+        raise ValueError(f"k (tokens drafted this round) must be in 0..{K}, got {k}")
     if anchor_ids.shape != (b,) or (prime_ids is not None and prime_ids.shape != (b,)):
         raise ValueError(f"anchor_ids / prime_ids must be [b={b}]")
     if temperature < 0:
@@ -182,9 +182,9 @@ def sequential_head(
         state = head_state_update(state, prime_ids, prev_token_embedding, state_proj_weight, state_proj_bias)
     prev = anchor_ids
     draft_ids, logits = [], []
-    for k in range(k_max):
+    for j in range(k):
         state = head_state_update(state, prev, prev_token_embedding, state_proj_weight, state_proj_bias)
-        step = head_readout(state, d[:, k].to(state.dtype), hidden_mlp_weight, hidden_mlp_bias,
+        step = head_readout(state, d[:, j].to(state.dtype), hidden_mlp_weight, hidden_mlp_bias,
                             output_proj_weight).float()  # [b, V]
         if temperature < GREEDY_EPS:
             prev = step.argmax(dim=-1)

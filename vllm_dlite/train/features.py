@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_dlite.model.drafter import rms_norm
+
 HS_FILE_PATTERN = "hs_{index}.safetensors"
 HS_DIRNAME = "hidden_states"
 LAYER_IDS_METADATA_KEY = "layer_ids"
@@ -261,7 +263,7 @@ class TargetHead:
 
     Used when features come from files (the decoder layers are then not needed): load it with
     :meth:`from_pretrained`, which reads only ``embed_tokens``, ``norm`` and ``lm_head`` tensors.
-    RMSNorm follows Qwen3/HF: normalise in fp32, cast to the weight dtype, scale.
+    RMSNorm: the package's one :func:`~vllm_dlite.model.drafter.rms_norm` (Qwen3/HF), on rows in the weight dtype.
     """
 
     def __init__(self, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor, eps: float,
@@ -278,10 +280,7 @@ class TargetHead:
 
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm rows ``[..., H]`` -> fp32 logits ``[..., V]``."""
-        dtype = self.norm_weight.dtype
-        x = last_hidden.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.norm_weight * x.to(dtype)
+        x = rms_norm(last_hidden.to(self.norm_weight.dtype), self.norm_weight, self.eps)
         return F.linear(x.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
 
     @classmethod

@@ -84,7 +84,7 @@ class SpeculativeSimulator:
 
     ``drafter`` is a :class:`~vllm_dlite.model.DLiteDrafter` (``config.aux_layer_ids``,
     ``config.num_draft_tokens``, ``config.anchor_group_size``, ``draft(features [1, L, H],
-    group_ids [1, g], num_steps=k)``) bound to the target; the extractor must have been built
+    group_ids [1, g], k=k)``) bound to the target; the extractor must have been built
     with the drafter's aux layer ids. ``k <= K = B-1`` drafts per round.
     """
 
@@ -126,7 +126,7 @@ class SpeculativeSimulator:
             g = min(self.group_size, a + 1)
             group = (prompt + output)[a - g + 1 : a + 1]
             drafted = self.drafter.draft(features, torch.tensor([group], device=device),
-                                         num_steps=self.k)
+                                         k=self.k)
             draft_ids = drafted.token_ids[0, : self.k].tolist()
             result.draft_s += time.perf_counter() - t0
 

@@ -239,10 +239,10 @@ class Plan:
 class AdaptiveController:
     """Everything the proposer decides per round, on plain Python inputs (unit-testable)."""
 
-    def __init__(self, options: AdaptiveOptions, k_max: int, clock=time.perf_counter):
-        self.options, self.k_max, self.clock = options, k_max, clock
+    def __init__(self, options: AdaptiveOptions, num_draft_tokens: int, clock=time.perf_counter):
+        self.options, self.num_draft_tokens, self.clock = options, num_draft_tokens, clock
         self.cost = CostModel(options.cost_model, options.window, options.cost_decay)
-        self.acceptance = AcceptanceStats(k_max, options.prior_acceptance, options.prior_strength,
+        self.acceptance = AcceptanceStats(num_draft_tokens, options.prior_acceptance, options.prior_strength,
                                           options.request_decay, options.global_decay)
         self.round = 0
         self.speculating = True  # the last decision
@@ -434,17 +434,38 @@ class AdaptiveController:
 
 
 # =========================================================================== engine access
-def _worker_stats(worker) -> Optional[dict]:
+WORKER_STATS_METHOD = "dlite_drafting_stats"
+"""The worker method (added to vLLM's ``WorkerBase`` by the plugin) that returns the counters:
+``collective_rpc`` with a method NAME works across processes, a function would need vLLM's
+insecure-serialization switch."""
+
+
+def worker_stats(worker) -> Optional[dict]:
+    """``WorkerBase.dlite_drafting_stats``: this worker's :meth:`AdaptiveController.stats`, or None
+    when its runner has no adaptive drafter."""
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     controller = getattr(drafter, "controller", None)
-    return None if controller is None else controller.stats()
+    return None if controller is None else _plain(controller.stats())
+
+
+def _plain(obj):
+    """Builtin Python types only (numpy scalars and arrays converted): vLLM's msgpack encoder
+    refuses anything else on the way back from an engine process."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, (np.generic, np.ndarray)):
+        return obj.tolist()
+    return obj
 
 
 def collect_stats(llm) -> Optional[dict]:
     """The drafting counters of an ``vllm.LLM`` running ``dlite-adaptive``/``dlite-hybrid``
-    (rank 0's; every rank decides the same), or None for other methods."""
+    (rank 0's; every rank decides the same), or None for other methods. Works with the engine in
+    its own process (vLLM's default) and in-process."""
     try:
-        out = llm.collective_rpc(_worker_stats)
+        out = llm.collective_rpc(WORKER_STATS_METHOD)
     except Exception as exc:  # noqa: BLE001 - report, never break a benchmark
         logger.warning("DLite: could not read the drafting counters: %s", exc)
         return None
@@ -453,5 +474,6 @@ def collect_stats(llm) -> Optional[dict]:
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY", "AdaptiveController", "AdaptiveOptions", "METHOD_MODES", "OPTIONS_KEY",
-    "Plan", "check_runner", "collect_stats", "options_from_vllm_config",
+    "Plan", "WORKER_STATS_METHOD", "check_runner", "collect_stats", "options_from_vllm_config",
+    "worker_stats",
 ]

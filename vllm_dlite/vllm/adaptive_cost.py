@@ -31,25 +31,25 @@ class AcceptanceStats:
     requests (itself starting at ``prior``), so a new request starts at the population's rate and
     a position a request never proposed keeps the population's value."""
 
-    def __init__(self, k_max: int, prior: float = 0.6, strength: float = 2.0,
+    def __init__(self, num_draft_tokens: int, prior: float = 0.6, strength: float = 2.0,
                  request_decay: float = 0.8, global_decay: float = 0.98):
-        self.k_max = k_max
+        self.num_draft_tokens = num_draft_tokens
         self.prior, self.strength = prior, strength
         self.request_decay, self.global_decay = request_decay, global_decay
-        self._global = {s: (np.zeros(k_max), np.zeros(k_max)) for s in SOURCES}
+        self._global = {s: (np.zeros(num_draft_tokens), np.zeros(num_draft_tokens)) for s in SOURCES}
         self._req: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
 
     def observe(self, req_id: str, source: str, proposed: int, accepted: int) -> None:
         """One verification: ``accepted`` of the ``proposed`` drafts (positions past the first
         rejection are not observed)."""
-        proposed = min(int(proposed), self.k_max)
+        proposed = min(int(proposed), self.num_draft_tokens)
         accepted = max(0, min(int(accepted), proposed))
         if proposed <= 0:
             return
         seen = min(accepted + 1, proposed)
         x = np.zeros(seen)
         x[:accepted] = 1.0
-        racc, rn = self._req.setdefault(req_id, {}).setdefault(source, (np.zeros(self.k_max), np.zeros(self.k_max)))
+        racc, rn = self._req.setdefault(req_id, {}).setdefault(source, (np.zeros(self.num_draft_tokens), np.zeros(self.num_draft_tokens)))
         gacc, gn = self._global[source]
         for acc, n, d in ((racc, rn, self.request_decay), (gacc, gn, self.global_decay)):
             acc[:seen] = acc[:seen] * d + x

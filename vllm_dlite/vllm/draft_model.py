@@ -86,7 +86,7 @@ class DFlashDLiteDraftModel(nn.Module):
         group_ids: torch.Tensor,
         group_lens: Optional[torch.Tensor] = None,
         temperatures: Optional[torch.Tensor] = None,
-        num_tokens: Optional[int] = None,
+        k: Optional[int] = None,
         return_logits: bool = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One DLite round for ``b`` requests.
@@ -99,7 +99,7 @@ class DFlashDLiteDraftModel(nn.Module):
             group_lens: ``[b]`` (CPU) real tokens per row, ``<= G'``, or None (all ``G'``).
             temperatures: ``[b]`` per-request temperatures or None (greedy everywhere); entries
                 below ``GREEDY_EPS`` are greedy.
-            num_tokens: head steps k <= K (default K); no step beyond k is run.
+            k: tokens drafted this round, ``k <= K`` (default K); no head step beyond k is run.
             return_logits: also return the raw draft logits ``[b, k, V]`` fp32.
 
         Returns ``(draft_ids [b, k] int64, logits or None)``.
@@ -116,7 +116,7 @@ class DFlashDLiteDraftModel(nn.Module):
                 )
             features = features.reshape(b, L, H)
         group_ids = group_ids.long()
-        k = cfg.num_draft_tokens if num_tokens is None else int(num_tokens)
+        k = cfg.num_draft_tokens if k is None else int(k)
         if b == 0 or k == 0:
             ids = torch.empty(b, k, dtype=torch.long, device=group_ids.device)
             return ids, (features.new_zeros(b, k, cfg.vocab_size, dtype=torch.float32) if return_logits else None)
@@ -128,7 +128,7 @@ class DFlashDLiteDraftModel(nn.Module):
             temps = torch.where(t < GREEDY_EPS, torch.zeros_like(t), t).cpu()
         if group_lens is None and (temps is None or bool((temps == temps[0]).all())):
             out = self.drafter.draft(features, group_ids, temperature=0.0 if temps is None else float(temps[0]),
-                                     num_steps=k)
+                                     k=k)
             return out.token_ids, (out.logits if return_logits else None)
         lens = [group_ids.shape[1]] * b if group_lens is None else group_lens.tolist()
         row_keys = list(zip(lens, [0.0] * b if temps is None else temps.tolist()))  # (g, T) per row
@@ -137,7 +137,7 @@ class DFlashDLiteDraftModel(nn.Module):
         for g, temp in sorted(set(row_keys)):
             rows = torch.tensor([i for i, key in enumerate(row_keys) if key == (g, temp)], device=group_ids.device)
             out = self.drafter.draft(features[rows], group_ids[rows, group_ids.shape[1] - g:],
-                                     temperature=temp, num_steps=k)
+                                     temperature=temp, k=k)
             ids[rows] = out.token_ids
             if logits is not None:
                 logits[rows] = out.logits

@@ -411,7 +411,15 @@ def _hook_v2_runner(module) -> None:
         module.init_speculator = _wrap_init_speculator(module.init_speculator)
 
 
+def _hook_worker_base(module) -> None:
+    """Every worker answers ``collective_rpc("dlite_drafting_stats")`` (adaptive/hybrid counters);
+    an added method, nothing of vLLM's is replaced."""
+    if not hasattr(module.WorkerBase, adaptive.WORKER_STATS_METHOD):
+        setattr(module.WorkerBase, adaptive.WORKER_STATS_METHOD, adaptive.worker_stats)
+
+
 _HOOKS: dict[str, Callable] = {
+    "vllm.v1.worker.worker_base": _hook_worker_base,
     "vllm.v1.worker.gpu_model_runner": _hook_v1_runner,
     "vllm.v1.worker.gpu.spec_decode": _hook_v2_spec_decode,
     "vllm.v1.worker.gpu.model_runner": _hook_v2_runner,

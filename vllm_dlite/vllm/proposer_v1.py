@@ -219,7 +219,7 @@ class DLiteProposer(DFlashProposer):
             group_ids,
             group_lens,
             temperatures=temperatures,
-            num_tokens=num_speculative_tokens,
+            k=num_speculative_tokens,
             return_logits=temperatures is not None,
         )
         if logits is not None:
@@ -268,7 +268,7 @@ class DLiteProposer(DFlashProposer):
             temps = None if temperatures is None else temperatures[:B][sel]
             ids, logits = self.model.propose_drafts(
                 features[sel], group_ids[sel], None if group_lens is None else group_lens[sel_c],
-                temperatures=temps, num_tokens=k, return_logits=True,
+                temperatures=temps, k=k, return_logits=True,
             )
             # the head's probability of each drafted token: softmax(logits / T) (greedy rows: T = 1)
             t = torch.ones(len(plan.dlite_rows), device=logits.device) if temps is None else temps.float().to(logits.device)

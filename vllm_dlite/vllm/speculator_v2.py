@@ -172,7 +172,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
 
     def _draft_static(self, n: int) -> None:
         ids, _ = self.model.propose_drafts(
-            self.features[:n], self.group_ids[:n], num_tokens=self.num_speculative_steps
+            self.features[:n], self.group_ids[:n], k=self.num_speculative_steps
         )
         self.draft_tokens[:n].copy_(ids)
 
@@ -251,14 +251,14 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
             next_prefill_tokens,
         )
-        K = self.num_speculative_steps
+        k = self.num_speculative_steps
         if self.draft_logits is not None and not dummy_run:
             # probabilistic drafting (eager): sampled rows draw from softmax(logits / T)
             temps = temperature[idx].float()
             ids, logits = self.model.propose_drafts(
-                features, group_ids, temperatures=temps, num_tokens=K, return_logits=True
+                features, group_ids, temperatures=temps, k=k, return_logits=True
             )
-            self.draft_logits[idx, :K] = logits.to(self.draft_logits.dtype)
+            self.draft_logits[idx, :k] = logits.to(self.draft_logits.dtype)
             self.draft_tokens[:n].copy_(ids)
             return self.draft_tokens[:n]
 
@@ -270,7 +270,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             self.group_ids[:n].copy_(group_ids)
             self.graphs.draft_graphs[padded].replay()
         else:
-            ids, _ = self.model.propose_drafts(features, group_ids, num_tokens=K)
+            ids, _ = self.model.propose_drafts(features, group_ids, k=k)
             self.draft_tokens[:n].copy_(ids)
         return self.draft_tokens[:n]
 
