@@ -289,7 +289,11 @@ class DLiteDrafter(nn.Module):
         ``[b, g]``, labels ``[b, K]`` = ``x_{a+1..a+K}`` (the head is fed ``x_a, labels[:, :-1]``)
         -> logits ``[b, K, V]`` fp32, or the head readouts ``[b, K, r]`` with ``return_readout``
         (project with ``sequential_head.output_proj`` in chunks)."""
-        d = self.backbone(features, group_ids)
+        return self.head_teacher_forced(self.backbone(features, group_ids), group_ids, labels, return_readout)
+
+    def head_teacher_forced(self, d: torch.Tensor, group_ids: torch.Tensor, labels: torch.Tensor,
+                            return_readout: bool = False) -> torch.Tensor:
+        """The sequential head over backbone outputs ``d [b, K, H]``, fed ``x_a, labels[:, :-1]``."""
         head = self.sequential_head
         return ops.sequential_head_teacher_forced(
             d, group_ids[:, -1], self._prime_ids(group_ids), labels, head.prev_token_embedding.weight,

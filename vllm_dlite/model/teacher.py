@@ -162,12 +162,7 @@ class SWATeacher(DLiteDrafter):
                       history_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Teacher-forced forward (the student's, plus history): logits ``[b, K, V]`` fp32."""
         d = self.backbone_with_history(features, group_ids, history, history_valid)
-        head = self.sequential_head
-        return ops.sequential_head_teacher_forced(
-            d, group_ids[:, -1], self._prime_ids(group_ids), labels, head.prev_token_embedding.weight,
-            head.state_proj.weight, head.state_proj.bias, head.state_hidden_mlp.weight,
-            head.state_hidden_mlp.bias, None if return_readout else head.output_proj.weight,
-        )
+        return self.head_teacher_forced(d, group_ids, labels, return_readout)
 
     forward = forward_train
 
