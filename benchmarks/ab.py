@@ -81,6 +81,11 @@ def parse_method(name: str) -> tuple[str, int | None]:
     return method, (int(k) if k else None)
 
 
+def drafter_family(name: str) -> str:
+    """Whose checkpoint a method reads: ``dlite@3`` and ``dlite-adaptive`` -> ``dlite``."""
+    return parse_method(name)[0].split("-")[0]
+
+
 def default_drafter(method: str) -> Path:
     return REPO / "models" / f"{method}-qwen3-tiny-stdlib"
 
@@ -417,16 +422,14 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens_max=max(map(len, prompts)), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
         drafters={m: getattr(args, m) for m in ("dlite", "eagle3", "dflash")
-                  if any(parse_method(x)[0].split("-")[0] == m for x in methods)},
+                  if any(drafter_family(x) == m for x in methods)},
         command="python benchmarks/ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     print(json.dumps(settings), flush=True)
 
     kept, kept_outputs, earlier = previous_results(args.out, settings, methods) if args.merge else ({}, {}, {})
     t0 = time.time()
-    # dlite-adaptive / dlite-hybrid use the --dlite drafter
-    results = {m: run_method(args, m, prompts, getattr(args, parse_method(m)[0].split("-")[0], None))
-               for m in methods}
+    results = {m: run_method(args, m, prompts, getattr(args, drafter_family(m), None)) for m in methods}
     outputs = {**kept_outputs, **{m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}}
     order = sorted({*results, *kept}, key=lambda m: (METHODS.index(parse_method(m)[0]), parse_method(m)[1] or args.k))
     results = {m: results.get(m) or kept[m] for m in order}

@@ -283,6 +283,17 @@ def apply_vllm_env() -> None:
         os.environ.setdefault(k, v)
 
 
+def read_metrics(llm) -> dict[str, object]:
+    """vLLM's metrics of an ``LLM``: name -> value (Counter/Gauge) or list (Vector)."""
+    metrics: dict[str, object] = {}
+    for m in llm.get_metrics():
+        if hasattr(m, "values"):  # Vector
+            metrics[m.name] = list(m.values)
+        elif hasattr(m, "value"):  # Counter / Gauge
+            metrics[m.name] = m.value
+    return metrics
+
+
 @dataclass
 class RunResult:
     token_ids: list[list[int]]
@@ -353,12 +364,7 @@ def run_llm(
     try:
         llm = LLM(**kwargs)
         outs = llm.generate(prompts, sampling_params, use_tqdm=False)
-        metrics: dict[str, object] = {}
-        for m in llm.get_metrics():
-            if hasattr(m, "values"):  # Vector
-                metrics[m.name] = list(m.values)
-            elif hasattr(m, "value"):  # Counter / Gauge
-                metrics[m.name] = m.value
+        metrics = read_metrics(llm)
         blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         drafter_types = llm.collective_rpc(
             lambda worker: type(getattr(worker.model_runner, "drafter", None)  # V1

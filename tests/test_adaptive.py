@@ -514,7 +514,7 @@ def _counters_from_engine_process(target, drafter, prompts, greedy) -> tuple[dic
     llm = build_llm(target, spec("dlite-adaptive", drafter, confidence_threshold=0.0, explore_rounds=8),
                     max_model_len=256, max_num_seqs=4, enforce_eager=True)
     llm.generate(prompts, greedy, use_tqdm=False)
-    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    metrics = H.read_metrics(llm)
     stats = collect_stats(llm)
     shutdown(llm)
     return stats, metrics

@@ -445,19 +445,17 @@ def worker_stats(worker) -> Optional[dict]:
     when its runner has no adaptive drafter."""
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     controller = getattr(drafter, "controller", None)
-    return None if controller is None else _plain(controller.stats())
+    if controller is None:
+        return None
+    import msgspec  # vLLM's own serializer: its msgpack encoder refuses numpy values on the way back
+
+    return msgspec.to_builtins(controller.stats(), enc_hook=_numpy_to_builtin)
 
 
-def _plain(obj):
-    """Builtin Python types only (numpy scalars and arrays converted): vLLM's msgpack encoder
-    refuses anything else on the way back from an engine process."""
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
+def _numpy_to_builtin(obj):
     if isinstance(obj, (np.generic, np.ndarray)):
         return obj.tolist()
-    return obj
+    raise NotImplementedError(f"{type(obj).__name__} in the drafting counters")
 
 
 def collect_stats(llm) -> Optional[dict]:
