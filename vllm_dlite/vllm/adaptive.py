@@ -1,4 +1,4 @@
-"""Speculation that never costs: adaptive draft length and DLite + n-gram hybrid drafts (issue 18).
+"""Speculation that never costs: adaptive draft length and DLite + suffix-tree hybrid drafts (issue 18).
 
 Two speculative methods on top of ``"dlite"`` (Model Runner V1 only; see :func:`check_runner`):
 
@@ -10,20 +10,26 @@ Two speculative methods on top of ``"dlite"`` (Model Runner V1 only; see :func:`
   predicted by the MEASURED acceptance of such low-confidence tokens, prior 0.1, so the cost
   model cuts the draft there unless this drafter's low-confidence tokens do get accepted). When
   nothing is expected to be gained the request proposes 0 tokens, and when no request of the
-  batch would gain, the drafter does not even run.
-* ``"dlite-hybrid"``: the same, plus a second source per request and per round: vLLM's own n-gram
-  matcher (``vllm.v1.spec_decode.ngram_proposer.NgramProposer``, over the request's whole context:
-  prompt with tool output and earlier outputs) proposes when it finds a match of at least
-  ``ngram_min`` tokens and its expected acceptance for this request is at least DLite's; DLite
-  drafts the other requests. Per-request counters record which source proposed every accepted
-  token (:meth:`AdaptiveController.stats`, :func:`collect_stats`, and one log line per finished
-  request at DEBUG, a summary at INFO every ``log_every`` finished requests).
+  batch would gain, the drafter does not even run. A request that proposes nothing lets its own
+  evidence fade (:meth:`~vllm_dlite.vllm.adaptive_cost.AcceptanceStats.relax`), so it is tried
+  again once the population's acceptance says so.
+* ``"dlite-hybrid"``: the same, plus a second source per request and per round: arctic-inference's
+  suffix tree (:class:`SuffixSource`, the one vLLM's ``"suffix"`` method uses: the request's prompt
+  with its tool output and its output so far, plus earlier requests' outputs). Both draft; the
+  request proposes the suffix tree's draft when its score (the tree's estimate of accepted drafts)
+  beats DLite's own (the sum of the cumulative head probabilities), else DLite's
+  (:func:`~vllm_dlite.vllm.adaptive_cost.choose_source`). Per-request counters record which source
+  proposed every accepted token (:meth:`AdaptiveController.stats`, :func:`collect_stats`, and one
+  log line per finished request at DEBUG, a summary at INFO every ``log_every`` finished requests).
 
 Both are asked for with ``"method"``; options go in ``"dlite_options"`` (validated at config time by
 :meth:`AdaptiveOptions.from_dict`)::
 
     speculative_config={"method": "dlite-adaptive", "model": "<dlite dir>", "num_speculative_tokens": 7,
                         "dlite_options": {"confidence_threshold": 0.1}}
+
+``"dlite-hybrid"`` needs arctic-inference (``bash scripts/install_suffix_decoding.sh``; ``make setup``
+builds it); without it the config is refused with that fix.
 
 The plugin maps the method to vLLM's ``"dflash"`` path like ``"dlite"`` and carries the options to
 the workers in ``VllmConfig.additional_config["dlite_drafting"]`` (a field vLLM passes through
@@ -52,9 +58,12 @@ Decision: with ``p[i][j]`` the probability that request ``i`` accepts its first 
 (the product of its running conditional acceptance per position), the throughput of a round that
 verifies the set ``S`` of draft tokens is ``(B + sum_S p) / (step(B, B) + c_tok |S| + draft(B))``;
 tokens are added in decreasing ``p`` (prefixes only; past the confidence cut ``p`` uses the
-low-confidence acceptance) while they raise it. Explore and probe-on rounds propose whole drafts,
-which is where the low-confidence acceptance is measured. Speculation happens only when the best rate beats no speculation, ``B / step(B, B)``, by
-``min_gain``; otherwise every request proposes 0 tokens.
+low-confidence acceptance; for suffix drafts the tree's own cumulative probabilities) while they
+raise it. Explore and probe-on rounds propose whole drafts, which is where the low-confidence
+acceptance is measured. Before drafting, from the running acceptance alone, the drafter runs only
+when the best rate beats no speculation, ``B / step(B, B)``, by ``min_gain``; otherwise every
+request proposes 0 tokens (or its suffix draft, which costs no drafter). After drafting the draft
+time is spent either way, so the lengths then maximise the round's rate with it included.
 
 Not the default: ``"dlite"`` stays fixed-k. The adaptive methods need Model Runner V1 without async
 scheduling and without tensor parallelism (per-request lists, per-rank timed decisions), while
@@ -64,7 +73,7 @@ vLLM's own per-step overhead (aux hidden states, rejection sampler, padded-batch
 ~12% of a 7 ms step of the tiny CPU target), so "never costs" means "costs at most that floor".
 
 Lossless: the proposer only shortens (or sources) drafts; vLLM's rejection sampler verifies them
-as always. With ``draft_sample_method: "probabilistic"`` the n-gram rows carry one-hot draft
+as always. With ``draft_sample_method: "probabilistic"`` the suffix rows carry one-hot draft
 probabilities (exact for a deterministic proposal).
 """
 
@@ -73,7 +82,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -86,6 +95,7 @@ from vllm_dlite.vllm.adaptive_cost import (
     choose_lengths,
     choose_source,
     confidence_cut,
+    expected_from_confidence,
     with_confidence,
 )
 
@@ -114,8 +124,11 @@ class AdaptiveOptions:
     prior_strength: float = 2.0  # pseudo-observations of the prior (request mean -> global mean)
     request_decay: float = 0.8  # running mean per request and position: weight of the past
     global_decay: float = 0.98  # the same, over all requests (the request prior)
-    ngram_min: int = 3  # hybrid: shortest context match that may propose
-    ngram_max: int = 5  # hybrid: longest match looked for
+    # hybrid: the suffix tree (vLLM's speculative_config suffix_decoding_* options, same defaults)
+    suffix_max_tree_depth: int = 24  # longest context suffix matched, and tree depth
+    suffix_max_spec_factor: float = 1.0  # draft at most this x the match length
+    suffix_min_token_prob: float = 0.1  # stop the draft where the tree's path probability falls below
+    suffix_max_cached_requests: int = 10000  # finished requests whose outputs stay in the tree (-1: all)
     adaptive_length: bool = True  # hybrid: also choose lengths by the cost model (else full drafts)
     log_every: int = 100  # INFO summary every this many finished requests (0: never)
     cost_model: Optional[dict] = None  # fixed costs in seconds instead of the fit (COST_KEYS)
@@ -132,6 +145,8 @@ class AdaptiveOptions:
             raise ValueError(f"{OPTIONS_KEY}: unknown option(s) {unknown}; valid: {sorted(names)}")
         out = cls(mode=mode, **options)
         out.validate()
+        if mode == "hybrid":
+            require_suffix_tree()
         return out
 
     def validate(self) -> None:
@@ -154,9 +169,14 @@ class AdaptiveOptions:
             bad("prior_acceptance", "must be in (0, 1)")
         if self.prior_strength <= 0:
             bad("prior_strength", "must be > 0")
-        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
-                and 1 <= self.ngram_min <= self.ngram_max):
-            bad("ngram_min", f"need integers 1 <= ngram_min <= ngram_max (ngram_max = {self.ngram_max})")
+        if not isinstance(self.suffix_max_tree_depth, int) or self.suffix_max_tree_depth < 1:
+            bad("suffix_max_tree_depth", "must be an integer >= 1")
+        if self.suffix_max_spec_factor <= 0:
+            bad("suffix_max_spec_factor", "must be > 0")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            bad("suffix_min_token_prob", "must be in [0, 1]")
+        if not isinstance(self.suffix_max_cached_requests, int) or self.suffix_max_cached_requests < -1:
+            bad("suffix_max_cached_requests", "must be an integer >= -1 (-1: no limit)")
         if self.cost_model is not None:
             if not isinstance(self.cost_model, dict) or set(self.cost_model) - set(COST_KEYS):
                 bad("cost_model", f"must be a dict with keys among {COST_KEYS} (seconds)")
@@ -165,6 +185,17 @@ class AdaptiveOptions:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def require_suffix_tree() -> None:
+    """``dlite-hybrid`` drafts from arctic-inference's suffix tree: refuse the config without it."""
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            f"'method': 'dlite-hybrid' drafts from arctic-inference's suffix tree, which is not installed "
+            f"({exc}). PyPI has only its source archive: build and install it with bash "
+            "scripts/install_suffix_decoding.sh (make setup does), or use 'method': 'dlite-adaptive'") from None
 
 
 def options_from_vllm_config(vllm_config: Any) -> Optional[AdaptiveOptions]:
@@ -227,12 +258,59 @@ class RequestCounters:
         return {s: vars(c).copy() for s, c in self.sources.items()} | {"rounds_without_draft": self.rounds_without_draft}
 
 
+class Match(NamedTuple):
+    """A suffix-tree draft: tokens, the tree's cumulative probability of each, their sum."""
+    tokens: list
+    probs: list
+    score: float
+
+
 @dataclass
 class Plan:
-    """What a round does before DLite runs: the rows DLite drafts, the n-gram drafts kept."""
+    """What a round does before DLite runs: the rows DLite drafts, the suffix drafts on offer."""
     dlite_rows: list[int]
-    ngram: dict  # row -> tokens
+    suffix: dict  # row -> Match (hybrid; rows with a match)
     phase: str  # "decide" | "explore-off" | "explore-on" | "probe-off" | "probe-on" | "fixed"
+
+
+# =========================================================================== the hybrid's second source
+class SuffixSource:
+    """arctic-inference's suffix tree over each request's context, kept as vLLM's ``"suffix"`` method
+    keeps it: a request's tree starts from its prompt and grows with its output; a finished request's
+    output stays cached (up to ``suffix_max_cached_requests``) for the requests after it."""
+
+    def __init__(self, options: AdaptiveOptions, max_model_len: int):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.options, self.max_model_len = options, max_model_len
+        self.cache = SuffixDecodingCache(max_tree_depth=options.suffix_max_tree_depth,
+                                         max_cached_requests=options.suffix_max_cached_requests)
+        self._seen: dict[str, int] = {}  # req_id -> context tokens already in its tree
+
+    def draft(self, req_id: str, context: np.ndarray, num_prompt_tokens: int, k: int) -> Optional[Match]:
+        """The tree's draft after ``context`` (prompt + output up to the anchor), or None while the
+        request is still prefilling (its anchor is not a token of the output yet)."""
+        if len(context) <= num_prompt_tokens:
+            return None
+        if req_id not in self.cache.active_requests:
+            if req_id in self.cache.cached_requests:  # a request id used again
+                self.cache.evict_cached_response(req_id)
+            self.cache.start_request(req_id, context[:num_prompt_tokens])
+            self._seen[req_id] = num_prompt_tokens
+        if len(context) > self._seen[req_id]:
+            self.cache.add_active_response(req_id, context[self._seen[req_id]:])
+            self._seen[req_id] = len(context)
+        o = self.options
+        d = self.cache.speculate(req_id, context[max(0, len(context) - o.suffix_max_tree_depth):],
+                                 max_spec_tokens=min(k, self.max_model_len - len(context) - 1),
+                                 max_spec_factor=o.suffix_max_spec_factor, min_token_prob=o.suffix_min_token_prob)
+        return Match(list(d.token_ids), list(d.probs), float(d.score)) if d.token_ids else None
+
+    def retire(self, live_req_ids) -> None:
+        """Requests that left the batch: their outputs stay cached for later requests."""
+        for req_id in [r for r in self.cache.active_requests if r not in live_req_ids]:
+            self.cache.stop_request(req_id)
+            self._seen.pop(req_id, None)
 
 
 # =========================================================================== controller
@@ -285,6 +363,7 @@ class AdaptiveController:
             if k <= 0 or num_rejected is None or pending is None:
                 if pending is not None and query_lens[i] == 1:
                     counters.rounds_without_draft += 1
+                    self.acceptance.relax(req_id)
                 continue
             source = pending[0]
             if source not in SOURCES:
@@ -313,70 +392,53 @@ class AdaptiveController:
             return "probe-on" if not self.speculating else "probe-off"
         return "decide"
 
-    def plan(self, req_ids: Sequence[str], k: int,
-             ngram_drafts: Optional[Sequence[Sequence[int]]] = None) -> Plan:
-        """Sources per row (hybrid) and which rows DLite must draft this round."""
+    def plan(self, req_ids: Sequence[str], k: int, suffix: Optional[Sequence[Optional[Match]]] = None) -> Plan:
+        """Which rows DLite drafts this round (``suffix[i]``: the hybrid's suffix draft for row i)."""
         n = len(req_ids)
         phase = self._phase() if self.adaptive_length else "fixed"
-        ngram: dict[int, list[int]] = {}
-        dlite_rows = []
-        for i, req_id in enumerate(req_ids):
-            cand = list(ngram_drafts[i])[:k] if ngram_drafts is not None else []
-            e_ng = self.acceptance.expected_accepted(req_id, "ngram", len(cand))
-            e_dl = self.acceptance.expected_accepted(req_id, "dlite", k)
-            if choose_source(len(cand), e_ng, e_dl) == "ngram":
-                ngram[i] = cand
-            else:
-                dlite_rows.append(i)
-        if phase == "explore-off" or phase == "probe-off":
+        matches = {i: Match(m.tokens[:k], m.probs[:k], m.score) for i, m in enumerate(suffix or []) if m}
+        if phase in ("explore-off", "probe-off"):
             return Plan([], {}, phase)
-        if phase != "decide" or not dlite_rows:
-            return Plan(dlite_rows, ngram, phase)
-        # would DLite's rows pay for the drafter at all? (history only: no confidence yet)
-        p, caps = [], []
-        for i, req_id in enumerate(req_ids):
-            if i in ngram:
-                p.append(self.acceptance.cumulative(req_id, "ngram")[: len(ngram[i])])
-                caps.append(len(ngram[i]))
-            else:
-                p.append(self.acceptance.cumulative(req_id, "dlite")[:k])
-                caps.append(k)
-        choice = choose_lengths(p, caps, self.cost, n, self.options.min_gain, with_draft=True)
-        if not any(choice.lengths[i] for i in dlite_rows):
-            dlite_rows = []
-        return Plan(dlite_rows, ngram, phase)
+        if phase != "decide":
+            return Plan(list(range(n)), matches, phase)
+        # would DLite pay for the drafter at all? (running acceptance only: no confidence yet)
+        p = [self.acceptance.cumulative(r, "dlite")[:k] for r in req_ids]
+        choice = choose_lengths(p, [k] * n, self.cost, n, self.options.min_gain, with_draft=True)
+        if choice.speculate != self.speculating:  # a flip: probe again soon (see _phase)
+            self._probe_interval = self.options.probe_every
+        self.speculating = choice.speculate
+        return Plan(list(range(n)) if choice.speculate else [], matches, phase)
 
     # ---------------------------------------------------------------- after drafting
     def select(self, plan: Plan, req_ids: Sequence[str], k: int,
-               dlite_confidence: dict) -> list[int]:
-        """Tokens to propose per row. ``dlite_confidence[row]``: the head's probability of each
-        drafted token (rows DLite drafted)."""
+               dlite_confidence: dict) -> tuple[list[int], list[Optional[str]]]:
+        """``(tokens to propose, source)`` per row. ``dlite_confidence[row]``: the head's probability
+        of each drafted token (rows DLite drafted)."""
         n = len(req_ids)
-        caps, p = [0] * n, [np.zeros(0)] * n
+        caps, p, sources = [0] * n, [np.zeros(0)] * n, [None] * n
         thr = self.options.confidence_threshold if self.adaptive_length else 0.0
         self._cuts = {}
         for i, req_id in enumerate(req_ids):
-            if i in plan.ngram:
-                caps[i] = len(plan.ngram[i])
-                p[i] = self.acceptance.cumulative(req_id, "ngram")
-            elif i in dlite_confidence:
-                caps[i] = min(k, len(dlite_confidence[i]))
-                self._cuts[i] = confidence_cut(dlite_confidence[i], thr)
+            match, conf = plan.suffix.get(i), dlite_confidence.get(i)
+            if match is None and conf is None:
+                continue
+            sources[i] = choose_source(len(match.tokens) if match else 0, match.score if match else 0.0,
+                                       None if conf is None else expected_from_confidence(conf[:k]))
+            if sources[i] == "suffix":
+                caps[i], p[i] = len(match.tokens), np.asarray(match.probs, dtype=float)
+            else:
+                caps[i] = min(k, len(conf))
+                self._cuts[i] = confidence_cut(conf, thr)
                 p[i] = with_confidence(self.acceptance.cumulative(req_id, "dlite"), self._cuts[i],
                                        self.low_confidence.alpha)
         if plan.phase in ("fixed", "explore-on", "probe-on"):
-            lengths = caps
-            self.speculating = plan.phase == "fixed" or self.speculating
-        elif plan.phase in ("explore-off", "probe-off"):
-            lengths = [0] * n
-        else:
-            choice = choose_lengths(p, caps, self.cost, n, self.options.min_gain,
-                                    with_draft=bool(dlite_confidence))
-            lengths = choice.lengths
-            if choice.speculate != self.speculating:
-                self._probe_interval = self.options.probe_every
-            self.speculating = choice.speculate
-        return lengths
+            return caps, sources
+        if plan.phase in ("explore-off", "probe-off"):
+            return [0] * n, sources
+        # the draft round is spent either way now: lengths that maximise this round's rate with it
+        lengths = choose_lengths(p, caps, self.cost, n, 0.0, with_draft=bool(dlite_confidence),
+                                 draft_spent=True).lengths
+        return lengths, sources
 
     def end_round(self, req_ids: Sequence[str], sources: Sequence[Optional[str]],
                   lengths: Sequence[int], phase: str, draft_batch: int, draft_seconds: Optional[float],

@@ -6,8 +6,8 @@ and of a draft round (:class:`CostModel`, weighted least squares over a window, 
 and the decision rules: the draft lengths that maximise predicted tokens per second
 (:func:`choose_lengths`, all zero when speculation does not pay by ``min_gain``), where a draft
 is cut by confidence (:func:`confidence_cut`) and which source a hybrid request uses
-(:func:`choose_source`). The round-by-round policy (exploration, probes, counters) is
-:class:`~vllm_dlite.vllm.adaptive.AdaptiveController`'s.
+(:func:`choose_source`: the one expected to get more tokens accepted). The round-by-round
+policy (exploration, probes, counters) is :class:`~vllm_dlite.vllm.adaptive.AdaptiveController`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-SOURCES = ("dlite", "ngram")
+SOURCES = ("dlite", "suffix")
 COST_KEYS = ("step_s", "request_s", "token_s", "draft_s", "draft_request_s")
 
 
@@ -73,6 +73,14 @@ class AcceptanceStats:
 
     def expected_accepted(self, req_id: str, source: str, length: int) -> float:
         return float(self.cumulative(req_id, source)[: max(0, length)].sum())
+
+    def relax(self, req_id: str) -> None:
+        """A round in which the request proposed nothing: its own evidence fades at the request
+        decay, so its estimate drifts back to the population's and it is tried again (without
+        this a request that once looked bad would never draft again: no draft, no evidence)."""
+        for acc, n in self._req.get(req_id, {}).values():
+            acc *= self.request_decay
+            n *= self.request_decay
 
     def forget(self, req_id: str) -> None:
         self._req.pop(req_id, None)
@@ -234,19 +242,20 @@ class Choice:
 
 def choose_lengths(p: Sequence[Sequence[float]], caps: Sequence[int], cost: CostModel,
                    batch_size: Optional[int] = None, min_gain: float = 0.0,
-                   with_draft: bool = True) -> Choice:
+                   with_draft: bool = True, draft_spent: bool = False) -> Choice:
     """Draft lengths maximising predicted throughput.
 
     ``p[i][j]``: probability that row i's first j+1 drafts are accepted (non-increasing in j);
     ``caps[i]``: at most this many (confidence cut, k). Greedy: tokens in decreasing ``p`` join
     while ``p > rate * c_tok`` (each raises ``(B + sum p) / (T0 + c_tok |S| + D)``). All zero when
-    the best rate does not beat ``B / T0`` by ``min_gain``."""
+    the best rate does not beat ``B / T0`` by ``min_gain`` (``B / (T0 + D)`` when ``draft_spent``:
+    the draft round already ran, so proposing nothing would not give its time back)."""
     n = len(caps)
     B = n if batch_size is None else batch_size
     base = cost.step_seconds(B)
     token_s = cost.token_seconds(B)
     draft_s = cost.draft_seconds(B) if with_draft else 0.0
-    base_rate = B / base if base > 0 else math.inf
+    base_rate = B / (base + (draft_s if draft_spent else 0.0)) if base > 0 else math.inf
     cands = sorted(((float(p[i][j]), j, i) for i in range(n) for j in range(min(caps[i], len(p[i])))),
                    key=lambda t: (-t[0], t[1]))
     lengths = [0] * n
@@ -266,13 +275,24 @@ def choose_lengths(p: Sequence[Sequence[float]], caps: Sequence[int], cost: Cost
     return Choice(lengths, rate, base_rate, speculate)
 
 
-def choose_source(ngram_len: int, expected_ngram: float, expected_dlite: float) -> str:
-    """Hybrid: the n-gram proposes when it matched (``ngram_len > 0``) and is expected to get at
-    least as many tokens accepted as DLite for this request; else DLite."""
-    return "ngram" if ngram_len > 0 and expected_ngram >= expected_dlite else "dlite"
+def expected_from_confidence(confidence: Sequence[float]) -> float:
+    """The head's own estimate of the accepted drafts: ``sum_j prod_{i<=j} q_i`` over the
+    probabilities ``q`` of the drafted tokens."""
+    return float(np.cumprod(np.asarray(confidence, dtype=float)).sum()) if len(confidence) else 0.0
+
+
+def choose_source(suffix_len: int, suffix_score: float, dlite_expected: Optional[float]) -> str:
+    """Hybrid: the suffix tree proposes when it matched (``suffix_len > 0``) and its score (the
+    tree's estimate of the accepted drafts: the sum of its path probabilities) beats DLite's
+    (:func:`expected_from_confidence`; None: DLite did not draft this round); else DLite.
+    ``benchmarks/draft_sources.py`` compares this rule with fixed thresholds and with vLLM's n-gram
+    matcher on greedy traces."""
+    if suffix_len <= 0:
+        return "dlite"
+    return "suffix" if dlite_expected is None or suffix_score > dlite_expected else "dlite"
 
 
 __all__ = [
     "COST_KEYS", "SOURCES", "AcceptanceStats", "Choice", "CostModel", "LowConfidenceStats",
-    "choose_lengths", "choose_source", "confidence_cut", "with_confidence",
+    "choose_lengths", "choose_source", "confidence_cut", "expected_from_confidence", "with_confidence",
 ]

@@ -28,7 +28,7 @@ symbol                                                         use
 ``v1.worker.cpu_model_runner.CPUModelRunner.__init__``         wrapped: CPU fixes, spec only
 ``v1.sample.rejection_sampler.apply_sampling_constraints``     wrapped on CPU (vLLM bug)
 ``v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens``    wrapped per CPU runner (vLLM bug)
-``v1.spec_decode.ngram_proposer.NgramProposer``                 used: dlite-hybrid's n-gram source
+``v1.worker.gpu_input_batch.InputBatch``                        read: ``num_prompt_tokens``, ``req_id_to_index`` (hybrid, as vLLM's suffix method)
 ``v1.worker.gpu_model_runner.GPUModelRunner._get_draft_token_ids_cpu``  relied on: passes list drafts
 ``v1.worker.gpu_model_runner.GPUModelRunner._copy_draft_token_ids_to_cpu`` relied on: ditto
 ``v1.worker.gpu_input_batch.InputBatch.update_req_spec_token_ids`` read: ``spec_token_ids`` (adaptive)
@@ -90,9 +90,6 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[str, ...]]], ...] = (
      ("logits", "cu_num_draft_tokens", "sampling_metadata")),
     ("v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
     # dlite-adaptive / dlite-hybrid (vllm_dlite.vllm.adaptive, proposer_v1)
-    ("v1.spec_decode.ngram_proposer", "NgramProposer.__init__", ("self", "vllm_config")),
-    ("v1.spec_decode.ngram_proposer", "NgramProposer.batch_propose",
-     ("self", "num_requests", "valid_ngram_requests", "num_tokens_no_spec", "token_ids_cpu", "k")),
     ("v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", ("self",)),
     ("v1.worker.gpu_model_runner", "GPUModelRunner._copy_draft_token_ids_to_cpu",
      ("self", "scheduler_output", "zeros_only")),

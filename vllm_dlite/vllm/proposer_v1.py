@@ -25,10 +25,10 @@ replaces what touches the draft model:
 ``list[list[int]]`` of per-request drafts of 0..k tokens (vLLM's runner hands a list to the
 scheduler as is; async scheduling, which needs a tensor, is refused at start-up), decided by an
 :class:`~vllm_dlite.vllm.adaptive.AdaptiveController` from the measured cost model, the
-request's running acceptance and the head's probabilities; in hybrid mode vLLM's
-``NgramProposer`` is asked first, on each request's context ``token_ids_cpu[:a] + [x_a]`` (the
-accepted drafts of this step are already in ``token_ids_cpu``: the runner writes scheduled drafts
-there before the forward).
+request's running acceptance and the head's probabilities; in hybrid mode the suffix tree
+(:class:`~vllm_dlite.vllm.adaptive.SuffixSource`) drafts too, from each request's context
+``token_ids_cpu[:a] + [x_a]`` (the accepted drafts of this step are already in ``token_ids_cpu``:
+the runner writes scheduled drafts there before the forward).
 
 Mixed prefill/decode batches, chunked prefill, preemption and requests finishing mid-batch need no
 state here (the drafter is history-free): each round reads only the current batch. Drafts of a
@@ -39,7 +39,6 @@ re-prefilled and drafted from its new last row.
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any, Optional
 
@@ -51,7 +50,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dlite.config import GREEDY_EPS
-from vllm_dlite.vllm.adaptive import AdaptiveController, check_runner, options_from_vllm_config
+from vllm_dlite.vllm.adaptive import AdaptiveController, SuffixSource, check_runner, options_from_vllm_config
 
 
 logger = init_logger("vllm.dlite.proposer_v1")  # under "vllm": vLLM's handlers
@@ -76,11 +75,11 @@ class DLiteProposer(DFlashProposer):
         check_runner(options, "v1", bool(getattr(runner, "use_async_scheduling", False)),
                      vllm_config.parallel_config.tensor_parallel_size)
         self.controller: Optional[AdaptiveController] = None
-        self.ngram = None
+        self.suffix: Optional[SuffixSource] = None
         if options is not None:
             self.controller = AdaptiveController(options, self.dlite_config.num_draft_tokens)
             if options.mode == "hybrid":
-                self.ngram = _ngram_proposer(vllm_config, options, self.dlite_config.num_draft_tokens)
+                self.suffix = SuffixSource(options, vllm_config.model_config.max_model_len)
             logger.info("DLite: %s drafting (%s)", options.mode,
                         ", ".join(f"{k}={v}" for k, v in options.to_dict().items() if k != "mode"))
 
@@ -231,18 +230,19 @@ class DLiteProposer(DFlashProposer):
         return draft_ids
 
     # ------------------------------------------------------------------ adaptive / hybrid
-    def _ngram_drafts(self, k: int, rows: torch.Tensor, anchors: torch.Tensor,
-                      target_positions: torch.Tensor) -> list[list[int]]:
-        """vLLM's n-gram matcher on each request's context ``x_0 .. x_a`` (see module docstring)."""
-        B = rows.shape[0]
-        history = self.runner.input_batch.token_ids_cpu
+    def _suffix_drafts(self, k: int, req_ids: list[str], rows: torch.Tensor, anchors: torch.Tensor,
+                       target_positions: torch.Tensor) -> list:
+        """The suffix tree's draft per request, on its context ``x_0 .. x_a`` (module docstring)."""
+        batch = self.runner.input_batch
+        history = batch.token_ids_cpu
         a = (target_positions[rows].long() + 1).cpu().numpy().clip(0, history.shape[1] - 1)
         anchors_c = anchors.cpu().numpy()
-        ctx = np.zeros((B, int(a.max()) + 1), dtype=history.dtype)
-        for i in range(B):
-            ctx[i, : a[i]] = history[i, : a[i]]
-            ctx[i, a[i]] = anchors_c[i]
-        return self.ngram.batch_propose(B, list(range(B)), (a + 1).astype(np.int32), ctx, k)
+        self.suffix.retire(batch.req_id_to_index.keys())  # as vLLM's suffix method: requests gone from the batch
+        out = []
+        for i, req_id in enumerate(req_ids):
+            context = np.append(history[i, : a[i]], anchors_c[i]).astype(np.int32)
+            out.append(self.suffix.draft(req_id, context, int(batch.num_prompt_tokens[i]), k))
+        return out
 
     def _propose_adaptive(self, k, started, rows, features, group_ids, group_lens, temperatures,
                           target_positions, common_attn_metadata, num_rejected_tokens_gpu) -> list[list[int]]:
@@ -257,8 +257,9 @@ class DLiteProposer(DFlashProposer):
         ctl.begin_round(req_ids, scheduled, query_lens, rejected, live_req_ids=self.runner.requests,
                         now=started)
 
-        ngram = self._ngram_drafts(k, rows, group_ids[:, -1], target_positions) if self.ngram is not None else None
-        plan = ctl.plan(req_ids, k, ngram)
+        suffix = (self._suffix_drafts(k, req_ids, rows, group_ids[:, -1], target_positions)
+                  if self.suffix is not None else None)
+        plan = ctl.plan(req_ids, k, suffix)
         confidence: dict[int, list[float]] = {}
         dlite_ids: dict[int, list[int]] = {}
         probs = None
@@ -278,62 +279,24 @@ class DLiteProposer(DFlashProposer):
             for pos, row in enumerate(plan.dlite_rows):
                 confidence[row] = conf[pos]
                 dlite_ids[row] = ids[pos].tolist()
-        lengths = ctl.select(plan, req_ids, k, confidence)
+        lengths, sources = ctl.select(plan, req_ids, k, confidence)
 
-        drafts: list[list[int]] = []
-        sources: list[Optional[str]] = []
-        for i in range(B):
-            if i in plan.ngram:
-                drafts.append(list(plan.ngram[i][: lengths[i]]))
-                sources.append("ngram")
-            elif i in dlite_ids:
-                drafts.append(dlite_ids[i][: lengths[i]])
-                sources.append("dlite")
-            else:
-                drafts.append([])
-                sources.append(None)
+        drafts = [list(plan.suffix[i].tokens[: lengths[i]]) if sources[i] == "suffix"
+                  else dlite_ids[i][: lengths[i]] if sources[i] == "dlite" else [] for i in range(B)]
         if temperatures is not None and any(drafts):
-            # vLLM reads draft probabilities [:len(draft)] per request; n-gram drafts are one-hot
+            # vLLM reads draft probabilities [:len(draft)] per request; suffix drafts are one-hot
             V = self.dlite_config.vocab_size
             full = torch.zeros(B, k, V, dtype=torch.float32, device=features.device)
             if probs is not None:
                 full[torch.tensor(plan.dlite_rows, device=features.device)] = probs.to(full.device)
             for i, tokens in enumerate(drafts):
-                if sources[i] == "ngram" and tokens:
+                if sources[i] == "suffix" and tokens:
+                    full[i, : len(tokens)] = 0.0
                     full[i, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
             self._last_draft_probs = full
         ctl.end_round(req_ids, sources, lengths, plan.phase, len(plan.dlite_rows),
                       time.perf_counter() - started if plan.dlite_rows else None)
         return drafts
-
-
-def _ngram_proposer(vllm_config: VllmConfig, options, k: int):
-    """vLLM's ``NgramProposer`` for the hybrid, configured with the hybrid's match lengths (it reads
-    them from a speculative config; a copy carries them, vLLM's own config is left alone)."""
-    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
-
-    config = copy.copy(vllm_config)
-    spec = copy.copy(vllm_config.speculative_config)
-    object.__setattr__(spec, "prompt_lookup_min", options.ngram_min)
-    object.__setattr__(spec, "prompt_lookup_max", options.ngram_max)
-    object.__setattr__(spec, "num_speculative_tokens", k)
-    object.__setattr__(config, "speculative_config", spec)
-    import numba
-
-    # numba's OpenMP threading layer shares the OpenMP runtime with torch: its first parallel call
-    # sets torch's thread count to numba's default (all cores), and vLLM's CPU worker forbids
-    # torch.set_num_threads afterwards (on a 2-core host the drafter became ~70x slower). The
-    # matcher runs on one thread anyway (vLLM caps it at 1), so use numba's own thread pool.
-    threads = torch.get_num_threads()
-    numba.config.THREADING_LAYER = "workqueue"
-    proposer = NgramProposer(config)
-    # compile the matcher now (vLLM's own warm-up call skips it: it has no valid request)
-    proposer.batch_propose(1, [0], np.array([4], dtype=np.int32), np.zeros((1, 4), dtype=np.int32), k)
-    if torch.get_num_threads() != threads:  # numba's layer was started earlier with OpenMP
-        logger.warning("DLite hybrid: numba changed torch's thread count %d -> %d (threading layer %s); "
-                       "restoring it", threads, torch.get_num_threads(), numba.threading_layer())
-        torch._C._set_num_threads(threads)
-    return proposer
 
 
 __all__ = ["DLiteProposer"]
