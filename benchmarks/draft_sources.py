@@ -170,9 +170,10 @@ def replay(anchors: list[Anchor], n_out: int, policy: Policy, k: int) -> tuple[i
 
 def confident(a: Anchor, threshold: float) -> list[int]:
     """DLite's draft up to the first token whose head probability is below ``threshold``."""
-    from vllm_dlite.vllm.adaptive_cost import confidence_cut
-
-    return a.dlite[: confidence_cut(a.confidence, threshold)]
+    n = 0
+    while n < len(a.dlite) and a.confidence[n] >= threshold:
+        n += 1
+    return a.dlite[:n]
 
 
 def hybrid(a: Anchor, factor: float = 1.0) -> list[int]:

@@ -1,7 +1,7 @@
 """dlite-adaptive and dlite-hybrid (issue 18): decision logic (fast) and engine runs (slow).
 
 Fast: options and config mapping, the measured cost model's fit, the throughput-maximising length
-choice, the confidence cut, the per-position running acceptance, the hybrid's source choice, the
+choice, the calibration of the head's probabilities, the per-position running acceptance, the hybrid's source choice, the
 controller's phases, a request that stopped drafting being tried again, and the V2 /
 async-scheduling refusals.
 
@@ -25,7 +25,7 @@ import helpers_vllm as H  # noqa: E402
 from vllm_dlite.vllm.adaptive import (ADDITIONAL_CONFIG_KEY, AdaptiveController, AdaptiveOptions,
                                       Match, Plan, check_runner)
 from vllm_dlite.vllm.adaptive_cost import (AcceptanceStats, CostModel, choose_lengths, choose_source,
-                                           confidence_cut, expected_from_confidence)
+                                           ConfidenceCalibration, expected_from_confidence)
 
 H.apply_vllm_env()
 torch.set_num_threads(1)
@@ -37,11 +37,11 @@ EXPENSIVE = {"step_s": 0.01, "request_s": 0.0, "token_s": 0.01, "draft_s": 1.0} 
 
 # =========================================================================== options / config
 def test_options_validate_with_one_message():
-    opts = AdaptiveOptions.from_dict("hybrid", {"confidence_threshold": 0.2, "suffix_max_tree_depth": 16})
-    assert opts.mode == "hybrid" and opts.confidence_threshold == 0.2 and opts.suffix_max_tree_depth == 16
+    opts = AdaptiveOptions.from_dict("hybrid", {"min_gain": 0.2, "suffix_max_tree_depth": 16})
+    assert opts.mode == "hybrid" and opts.min_gain == 0.2 and opts.suffix_max_tree_depth == 16
     assert AdaptiveOptions.from_dict("adaptive").mode == "adaptive"
     for bad, needle in [({"confidence": 0.1}, "unknown option(s) ['confidence']"),
-                        ({"confidence_threshold": 1.5}, "confidence_threshold = 1.5"),
+                        ({"calibration_bins": 0}, "calibration_bins = 0"),
                         ({"suffix_min_token_prob": 1.5}, "suffix_min_token_prob"),
                         ({"cost_model": {"step": 1}}, "cost_model"),
                         ({"probe_every": -1}, "probe_every")]:
@@ -73,11 +73,11 @@ def test_methods_map_to_dflash_and_carry_options(models):
     cfg = H.target_config(models.target)
     out = plugin.prepare_speculative_config(
         {"method": "dlite-adaptive", "model": str(models.drafter),
-         "dlite_options": {"confidence_threshold": 0.1}}, cfg)
+         "dlite_options": {"min_gain": 0.1}}, cfg)
     assert out["method"] == "dflash" and out["num_speculative_tokens"] == K
     assert "dlite_options" not in out
     assert out[ADDITIONAL_CONFIG_KEY]["mode"] == "adaptive"
-    assert out[ADDITIONAL_CONFIG_KEY]["confidence_threshold"] == 0.1
+    assert out[ADDITIONAL_CONFIG_KEY]["min_gain"] == 0.1
     out = plugin.prepare_speculative_config({"method": "dlite-hybrid", "model": str(models.drafter)}, cfg)
     assert out[ADDITIONAL_CONFIG_KEY]["mode"] == "hybrid"
     assert ADDITIONAL_CONFIG_KEY not in plugin.prepare_speculative_config(
@@ -153,11 +153,15 @@ def test_cost_model_fixed():
 
 
 # =========================================================================== decisions
-def test_confidence_cut():
-    assert confidence_cut([0.9, 0.5, 0.04, 0.9], 0.05) == 2
-    assert confidence_cut([0.9, 0.5], 0.05) == 2
-    assert confidence_cut([0.01], 0.05) == 0
-    assert confidence_cut([0.01, 0.2], 0.0) == 2
+def test_head_probabilities_are_calibrated_by_measured_acceptance():
+    cal = ConfidenceCalibration(bins=10, strength=2.0, decay=1.0)
+    assert cal.alpha([0.9, 0.35]).tolist() == pytest.approx([0.9, 0.35])  # no evidence: the head's word
+    for _ in range(50):  # an overconfident head: its 0.9 tokens are accepted half the time
+        cal.observe([0.9, 0.9, 0.9], accepted=1)  # the first accepted, the second rejected, the third unseen
+    assert cal.alpha([0.9])[0] == pytest.approx(0.5, abs=0.02)
+    assert cal.alpha([0.35])[0] == pytest.approx(0.35)  # another bin: still the prior
+    assert cal.cumulative([0.9, 0.9]).tolist() == pytest.approx([0.5 ** 1, 0.5 ** 2], abs=0.02)
+    assert cal.summary()[9] == (pytest.approx(0.5), 100.0)
 
 
 def test_choose_lengths_follows_the_cost_model():
@@ -256,16 +260,16 @@ def test_a_request_that_stopped_drafting_is_tried_again():
     assert plan.dlite_rows == [0] and lengths[0] > 0 and rounds < 15, rounds
 
 
-def test_controller_free_and_expensive_drafting_and_the_confidence_cut():
-    opts = {"probe_every": 0, "confidence_threshold": 0.1, "prior_acceptance": 0.6}
+def test_controller_free_and_expensive_drafting_and_the_head_probabilities():
+    opts = {"probe_every": 0, "prior_acceptance": 0.6}
     free = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": FREE, **opts}), K)
     plan, lengths = _round(free, ["a", "b"], [0.9, 0.8, 0.5, 0.3])
     assert plan.phase == "decide" and lengths == [K, K]
-    # a token costs 10% of a step: with the prior acceptance (0.6 per position) two tokens pay
+    # a token costs 10% of a step: the head's probabilities (no evidence yet) say two tokens pay
     mid = AdaptiveController(AdaptiveOptions.from_dict(
         "adaptive", {"cost_model": {"step_s": 0.01, "token_s": 0.001, "draft_s": 0.0}, **opts}), K)
     assert _round(mid, ["a", "b"], [0.9, 0.8, 0.5, 0.3])[1] == [2, 2]
-    # the head is unsure from the second token on: low-confidence acceptance (prior 0.1) cuts there
+    # the head is unsure from the second token on: the draft is cut there
     assert _round(mid, ["a", "b"], [0.9, 0.05, 0.5, 0.3])[1] == [1, 1]
 
     dear = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": EXPENSIVE, **opts}), K)
@@ -273,32 +277,17 @@ def test_controller_free_and_expensive_drafting_and_the_confidence_cut():
     assert plan.dlite_rows == [] and lengths == [0, 0]  # the drafter does not even run
 
 
-def test_low_confidence_acceptance_is_measured():
-    """A drafter whose unsure tokens are accepted anyway (the tests' copy drafter) is not cut."""
-    from vllm_dlite.vllm.adaptive_cost import LowConfidenceStats, with_confidence
-
-    p = np.cumprod([0.8] * 4)
-    assert with_confidence(p, 4, 0.1).tolist() == pytest.approx(p.tolist())
-    assert with_confidence(p, 1, 0.1).tolist() == pytest.approx([0.8, 0.08, 0.008, 0.0008])
-    assert with_confidence(p, 0, 0.5).tolist() == pytest.approx([0.5, 0.25, 0.125, 0.0625])
-    low = LowConfidenceStats(prior=0.1, strength=2.0, decay=1.0)
-    assert low.alpha == pytest.approx(0.1)
-    for _ in range(10):
-        low.observe(cut=1, proposed=4, accepted=4)  # positions 2..4 proposed despite the cut, accepted
-    assert low.alpha > 0.9
-    low.observe(cut=0, proposed=4, accepted=0)  # only position 1 observed: rejected
-    assert low.alpha < 0.95
-
+def test_an_unsure_head_whose_drafts_are_accepted_is_believed_by_evidence():
+    """A drafter whose unsure tokens are accepted anyway (the tests' copy drafter) stops being cut
+    once the verifications say so."""
     mid = {"step_s": 0.01, "token_s": 0.001, "draft_s": 0.0}
-    ctl = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": mid, "probe_every": 0,
-                                                                    "confidence_threshold": 0.1}), K)
+    ctl = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"cost_model": mid, "probe_every": 0}), K)
     unsure = [0.01] * K
     assert _round(ctl, ["a"], unsure)[1] == [0]
     for _ in range(20):  # whole drafts of unsure tokens keep being accepted (e.g. probe rounds)
+        ctl._pending["a"] = ("dlite", K, unsure)
         ctl.begin_round(["a"], [K], [K + 1], [0])
-        ctl._pending["a"] = ("dlite", K, 0)
-    ctl.begin_round(["a"], [K], [K + 1], [0])
-    assert ctl.low_confidence.alpha > 0.8
+    assert ctl.calibration.alpha([0.01])[0] > 0.8
     assert _round(ctl, ["a"], unsure)[1][0] >= 2
 
 
@@ -385,8 +374,9 @@ def _run_job(target, prompts, params, speculative_config, record_plans: bool = F
 
 
 def greedy_job(models, prompts, greedy, method):
-    # the copy drafter's head is not confident (probabilities ~1/V): no confidence cut here
-    return prompts, greedy, spec(method, models.copy_drafter, confidence_threshold=0.0)
+    # the copy drafter's head is not confident (probabilities ~1/V): its drafts are proposed in the
+    # explore rounds, and from then on as the calibration learns that they are accepted
+    return prompts, greedy, spec(method, models.copy_drafter)
 
 
 REPETITIVE, PLAIN = [132] * 12, list(range(40, 52))  # the second prompt: no token repeats
@@ -396,7 +386,7 @@ def sampled_job(models, method):
     import test_vllm_sampling as S
 
     params = SamplingParams(temperature=S.TEMPERATURE, max_tokens=4, ignore_eos=True)
-    config = spec(method, models.copy_drafter, confidence_threshold=0.0, cost_model=FREE)
+    config = spec(method, models.copy_drafter, cost_model=FREE)
     config["draft_sample_method"] = "probabilistic"
     return [S.PROMPT] * S.NUM_REQUESTS, params, config, False, {"max_num_seqs": 128}
 
@@ -427,7 +417,7 @@ def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(m
     assert stats["rounds"] > 0 and stats["totals"]["dlite"]["proposed"] == 0
 
     run, stats, _ = _run_job(models.target, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
-                                                             cost_model=FREE, confidence_threshold=0.0))
+                                                             cost_model=FREE))
     assert run.token_ids == baseline.token_ids[:8]
     m = run.metrics
     assert m["vllm:spec_decode_num_drafts"] > 0
@@ -443,7 +433,7 @@ def test_hybrid_uses_the_suffix_tree_on_repetitive_context_and_dlite_otherwise(m
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     base = H.run_llm(models.target, prompts, params, max_num_seqs=2)
     run, stats, decisions = _run_job(models.target, prompts, params, spec(
-        "dlite-hybrid", models.drafter, confidence_threshold=0.0, cost_model=FREE), record_plans=True)
+        "dlite-hybrid", models.drafter, cost_model=FREE), record_plans=True)
     assert run.token_ids == base.token_ids
     rep, new = (stats["requests"][r] for r in decisions[0][0])
     assert rep["suffix"]["rounds"] > 0 and rep["suffix"]["accepted"] > 0, stats["requests"]
@@ -493,7 +483,7 @@ def _counters_from_engine_process(target, drafter, prompts, greedy) -> tuple[dic
 
     register()
     # the measured cost model (numpy figures in the counters: they must cross the process boundary)
-    llm = build_llm(target, spec("dlite-adaptive", drafter, confidence_threshold=0.0, explore_rounds=8),
+    llm = build_llm(target, spec("dlite-adaptive", drafter, explore_rounds=8),
                     max_model_len=256, max_num_seqs=4, enforce_eager=True)
     llm.generate(prompts, greedy, use_tqdm=False)
     metrics = H.read_metrics(llm)

@@ -3,13 +3,13 @@
 Two speculative methods on top of ``"dlite"`` (Model Runner V1 only; see :func:`check_runner`):
 
 * ``"dlite-adaptive"``: each round, each request proposes ``0..k`` of the drafted tokens, chosen by
-  a **measured** cost model (:class:`~vllm_dlite.vllm.adaptive_cost.CostModel`), the request's
-  recent acceptance (:class:`~vllm_dlite.vllm.adaptive_cost.AcceptanceStats`, a running mean per
-  draft position) and the head's own confidence (the sequential head's probability of the token
-  it drafted; from the first position below ``confidence_threshold`` on, the draft's acceptance is
-  predicted by the MEASURED acceptance of such low-confidence tokens, prior 0.1, so the cost
-  model cuts the draft there unless this drafter's low-confidence tokens do get accepted). When
-  nothing is expected to be gained the request proposes 0 tokens, and when no request of the
+  a **measured** cost model (:class:`~vllm_dlite.vllm.adaptive_cost.CostModel`) from the head's own
+  confidence (the sequential head's probability of each token it drafted, calibrated by the
+  measured acceptance of tokens drafted with such probabilities:
+  :class:`~vllm_dlite.vllm.adaptive_cost.ConfidenceCalibration`). Whether the drafter runs at all
+  is decided before it runs, from the requests' recent acceptance
+  (:class:`~vllm_dlite.vllm.adaptive_cost.AcceptanceStats`, a running mean per draft position).
+  When nothing is expected to be gained the request proposes 0 tokens, and when no request of the
   batch would gain, the drafter does not even run. A request that proposes nothing lets its own
   evidence fade (:meth:`~vllm_dlite.vllm.adaptive_cost.AcceptanceStats.relax`), so it is tried
   again once the population's acceptance says so.
@@ -26,7 +26,7 @@ Both are asked for with ``"method"``; options go in ``"dlite_options"`` (validat
 :meth:`AdaptiveOptions.from_dict`)::
 
     speculative_config={"method": "dlite-adaptive", "model": "<dlite dir>", "num_speculative_tokens": 7,
-                        "dlite_options": {"confidence_threshold": 0.1}}
+                        "dlite_options": {"min_gain": 0.05}}
 
 ``"dlite-hybrid"`` needs arctic-inference (``bash scripts/install_suffix_decoding.sh``; ``make setup``
 builds it); without it the config is refused with that fix.
@@ -55,12 +55,12 @@ when the decision flips, so a steady "off" costs less than 1/(16 probe_every) of
 numbers (tests, experiments).
 
 Decision: with ``p[i][j]`` the probability that request ``i`` accepts its first ``j+1`` drafts
-(the product of its running conditional acceptance per position), the throughput of a round that
+(before drafting: the product of its running conditional acceptance per position; after: the
+product of the calibrated head probabilities), the throughput of a round that
 verifies the set ``S`` of draft tokens is ``(B + sum_S p) / (step(B, B) + c_tok |S| + draft(B))``;
-tokens are added in decreasing ``p`` (prefixes only; past the confidence cut ``p`` uses the
-low-confidence acceptance; for suffix drafts the tree's own cumulative probabilities) while they
-raise it. Explore and probe-on rounds propose whole drafts, which is where the low-confidence
-acceptance is measured. Before drafting, from the running acceptance alone, the drafter runs only
+tokens are added in decreasing ``p`` (prefixes only; for suffix drafts the tree's own cumulative
+probabilities) while they raise it. Explore and probe-on rounds propose whole drafts, which is
+where the acceptance of the head's unsure tokens is measured. Before drafting, from the running acceptance alone, the drafter runs only
 when the best rate beats no speculation, ``B / step(B, B)``, by ``min_gain``; otherwise every
 request proposes 0 tokens (or its suffix draft, which costs no drafter). After drafting the draft
 time is spent either way, so the lengths then maximise the round's rate with it included.
@@ -91,12 +91,10 @@ from vllm_dlite.vllm.adaptive_cost import (
     SOURCES,
     AcceptanceStats,
     CostModel,
-    LowConfidenceStats,
+    ConfidenceCalibration,
     choose_lengths,
     choose_source,
-    confidence_cut,
     expected_from_confidence,
-    with_confidence,
 )
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
@@ -113,7 +111,7 @@ class AdaptiveOptions:
     """Options of ``dlite-adaptive`` / ``dlite-hybrid`` (``speculative_config["dlite_options"]``)."""
 
     mode: str = "adaptive"
-    confidence_threshold: float = 0.05  # cut the draft at the first head probability below this
+    calibration_bins: int = 10  # head probabilities calibrated per bin of [0, 1]
     min_gain: float = 0.02  # speculate only when the predicted rate beats no speculation by this
     explore_rounds: int = 6  # first rounds: alternate "nothing" / "everything confident"
     probe_every: int = 32  # a round does the opposite of the decision after this many (doubling while
@@ -153,8 +151,8 @@ class AdaptiveOptions:
         def bad(name, why):
             raise ValueError(f"{OPTIONS_KEY}.{name} = {getattr(self, name)!r}: {why}")
 
-        if not 0.0 <= self.confidence_threshold < 1.0:
-            bad("confidence_threshold", "must be in [0, 1)")
+        if not isinstance(self.calibration_bins, int) or self.calibration_bins < 1:
+            bad("calibration_bins", "must be an integer >= 1")
         if self.min_gain < 0:
             bad("min_gain", "must be >= 0")
         for name in ("explore_rounds", "probe_every", "log_every"):
@@ -327,9 +325,10 @@ class AdaptiveController:
         self._last_probe = 0
         self._probe_interval = options.probe_every
         self._last_end: Optional[float] = None
-        self._pending: dict[str, tuple[str, int, int]] = {}  # req_id -> (source, proposed, cut)
-        self.low_confidence = LowConfidenceStats(0.1, options.prior_strength, options.global_decay)
-        self._cuts: dict[int, int] = {}  # row -> confidence cut of this round's DLite drafts
+        self._pending: dict[str, tuple[str, int, list]] = {}  # req_id -> (source, proposed, head probs)
+        self.calibration = ConfidenceCalibration(options.calibration_bins, options.prior_strength,
+                                                 options.global_decay)
+        self._confidence: dict[int, list] = {}  # row -> head probabilities of this round's DLite draft
         self.requests: dict[str, RequestCounters] = {}
         self.finished: dict[str, dict] = {}  # req_id -> counters (bounded)
         self.totals = {s: SourceCounters() for s in SOURCES}
@@ -370,8 +369,8 @@ class AdaptiveController:
                 continue
             accepted = max(0, k - int(num_rejected[i]))
             self.acceptance.observe(req_id, source, k, accepted)
-            if source == "dlite" and pending[2] < k:
-                self.low_confidence.observe(pending[2], k, accepted)
+            if source == "dlite" and pending[2]:
+                self.calibration.observe(pending[2][:k], accepted)
             counters.sources[source].add(k, accepted)
             self.totals[source].add(k, accepted)
         if live_req_ids is not None:
@@ -416,8 +415,7 @@ class AdaptiveController:
         of each drafted token (rows DLite drafted)."""
         n = len(req_ids)
         caps, p, sources = [0] * n, [np.zeros(0)] * n, [None] * n
-        thr = self.options.confidence_threshold if self.adaptive_length else 0.0
-        self._cuts = {}
+        self._confidence = {}
         for i, req_id in enumerate(req_ids):
             match, conf = plan.suffix.get(i), dlite_confidence.get(i)
             if match is None and conf is None:
@@ -428,9 +426,8 @@ class AdaptiveController:
                 caps[i], p[i] = len(match.tokens), np.asarray(match.probs, dtype=float)
             else:
                 caps[i] = min(k, len(conf))
-                self._cuts[i] = confidence_cut(conf, thr)
-                p[i] = with_confidence(self.acceptance.cumulative(req_id, "dlite"), self._cuts[i],
-                                       self.low_confidence.alpha)
+                self._confidence[i] = list(conf[:caps[i]])
+                p[i] = self.calibration.cumulative(conf[:caps[i]])
         if plan.phase in ("fixed", "explore-on", "probe-on"):
             return caps, sources
         if plan.phase in ("explore-off", "probe-off"):
@@ -446,9 +443,9 @@ class AdaptiveController:
         """Remember what each request proposed (attributed at the next ``begin_round``)."""
         for i, (req_id, source, length) in enumerate(zip(req_ids, sources, lengths)):
             if length > 0 and source is not None:
-                self._pending[req_id] = (source, int(length), self._cuts.get(i, int(length)))
+                self._pending[req_id] = (source, int(length), self._confidence.get(i, [])[:length])
             else:
-                self._pending[req_id] = ("none", 0, 0)
+                self._pending[req_id] = ("none", 0, [])
         if draft_seconds is not None and draft_batch > 0:
             self.cost.observe_draft(draft_batch, draft_seconds)
         self.rounds_by_phase[phase] = self.rounds_by_phase.get(phase, 0) + 1
@@ -490,7 +487,7 @@ class AdaptiveController:
         per_request.update({r: c.as_dict() for r, c in self.requests.items()})
         return {"mode": self.options.mode, "rounds": self.round, "rounds_by_phase": dict(self.rounds_by_phase),
                 "totals": {s: vars(c).copy() for s, c in self.totals.items()},
-                "low_confidence_acceptance": self.low_confidence.alpha,
+                "calibration": self.calibration.summary(),
                 "requests": per_request, "cost_model": self.cost.summary(self._last_batch),
                 "options": self.options.to_dict()}
 

@@ -1,11 +1,11 @@
 """The numbers adaptive drafting (:mod:`vllm_dlite.vllm.adaptive`) decides by, on plain Python and
 NumPy inputs (no vLLM): per-request and per-source draft acceptance (:class:`AcceptanceStats`, a
-decayed running mean per draft position with the population as prior, and
-:class:`LowConfidenceStats` past the head's confidence cut), the measured cost of a verify step
-and of a draft round (:class:`CostModel`, weighted least squares over a window, or fixed costs),
-and the decision rules: the draft lengths that maximise predicted tokens per second
-(:func:`choose_lengths`, all zero when speculation does not pay by ``min_gain``), where a draft
-is cut by confidence (:func:`confidence_cut`) and which source a hybrid request uses
+decayed running mean per draft position with the population as prior), the head's probabilities
+calibrated by measured acceptance (:class:`ConfidenceCalibration`), the measured cost of a verify
+step and of a draft round (:class:`CostModel`, weighted least squares over a window, or fixed
+costs), and the decision rules: the draft lengths that maximise predicted tokens per second
+(:func:`choose_lengths`, all zero when speculation does not pay by ``min_gain``) and which source a
+hybrid request uses
 (:func:`choose_source`: the one expected to get more tokens accepted). The round-by-round
 policy (exploration, probes, counters) is :class:`~vllm_dlite.vllm.adaptive.AdaptiveController`'s.
 """
@@ -86,32 +86,39 @@ class AcceptanceStats:
         self._req.pop(req_id, None)
 
 
-class LowConfidenceStats:
-    """Measured conditional acceptance of draft tokens at or after the first position whose head
-    probability is below the threshold (all requests; prior ``prior`` with ``strength``)."""
+class ConfidenceCalibration:
+    """The head's probability of the token it drafted, calibrated by measured acceptance.
 
-    def __init__(self, prior: float = 0.1, strength: float = 2.0, decay: float = 0.98):
-        self.prior, self.strength, self.decay = prior, strength, decay
-        self.acc = self.n = 0.0
+    ``alpha(q)`` = P(a draft token is accepted | the drafts before it were, the head gave it
+    probability ``q``): a decayed count per bin of ``q`` (``bins`` equal bins of [0, 1]) whose prior
+    is ``q`` itself with weight ``strength``, so the head is trusted until its bin has evidence. The
+    tokens of a verified draft are observed up to the first rejected one (the rest are not seen)."""
 
-    def observe(self, cut: int, proposed: int, accepted: int) -> None:
-        for j in range(cut, min(accepted + 1, proposed)):
-            self.acc = self.acc * self.decay + (1.0 if j < accepted else 0.0)
-            self.n = self.n * self.decay + 1.0
+    def __init__(self, bins: int = 10, strength: float = 2.0, decay: float = 0.98):
+        self.bins, self.strength, self.decay = bins, strength, decay
+        self.acc, self.n = np.zeros(bins), np.zeros(bins)
 
-    @property
-    def alpha(self) -> float:
-        return (self.acc + self.strength * self.prior) / (self.n + self.strength)
+    def _bin(self, q: np.ndarray) -> np.ndarray:
+        return np.clip((q * self.bins).astype(int), 0, self.bins - 1)
 
+    def observe(self, confidence: Sequence[float], accepted: int) -> None:
+        seen = min(int(accepted) + 1, len(confidence))
+        for j, b in enumerate(self._bin(np.asarray(confidence[:seen], dtype=float))):
+            self.acc[b] = self.acc[b] * self.decay + (1.0 if j < accepted else 0.0)
+            self.n[b] = self.n[b] * self.decay + 1.0
 
-def with_confidence(p: np.ndarray, cut: int, low_alpha: float) -> np.ndarray:
-    """``p`` (cumulative acceptance) with the conditional acceptance from position ``cut`` on
-    replaced by ``low_alpha``."""
-    out = np.array(p, dtype=float)
-    if cut < len(out):
-        start = out[cut - 1] if cut > 0 else 1.0
-        out[cut:] = start * low_alpha ** np.arange(1, len(out) - cut + 1)
-    return out
+    def alpha(self, confidence: Sequence[float]) -> np.ndarray:
+        q = np.asarray(confidence, dtype=float)
+        b = self._bin(q)
+        return (self.acc[b] + self.strength * q) / (self.n[b] + self.strength)
+
+    def cumulative(self, confidence: Sequence[float]) -> np.ndarray:
+        """``p[j]`` = P(the first j+1 drafts are all accepted)."""
+        return np.cumprod(self.alpha(confidence))
+
+    def summary(self) -> list:
+        """Per bin: (measured acceptance or None, observations)."""
+        return [(None if n < 1e-9 else float(a / n), float(n)) for a, n in zip(self.acc, self.n)]
 
 
 # =========================================================================== cost model
@@ -223,15 +230,6 @@ class CostModel:
 
 
 # =========================================================================== decisions
-def confidence_cut(confidence: Sequence[float], threshold: float) -> int:
-    """Draft tokens to keep: up to (not including) the first whose head probability is below
-    ``threshold``."""
-    for j, c in enumerate(confidence):
-        if c < threshold:
-            return j
-    return len(confidence)
-
-
 @dataclass
 class Choice:
     lengths: list[int]  # tokens to propose per row
@@ -246,7 +244,7 @@ def choose_lengths(p: Sequence[Sequence[float]], caps: Sequence[int], cost: Cost
     """Draft lengths maximising predicted throughput.
 
     ``p[i][j]``: probability that row i's first j+1 drafts are accepted (non-increasing in j);
-    ``caps[i]``: at most this many (confidence cut, k). Greedy: tokens in decreasing ``p`` join
+    ``caps[i]``: at most this many (the draft's length). Greedy: tokens in decreasing ``p`` join
     while ``p > rate * c_tok`` (each raises ``(B + sum p) / (T0 + c_tok |S| + D)``). All zero when
     the best rate does not beat ``B / T0`` by ``min_gain`` (``B / (T0 + D)`` when ``draft_spent``:
     the draft round already ran, so proposing nothing would not give its time back)."""
@@ -293,6 +291,6 @@ def choose_source(suffix_len: int, suffix_score: float, dlite_expected: Optional
 
 
 __all__ = [
-    "COST_KEYS", "SOURCES", "AcceptanceStats", "Choice", "CostModel", "LowConfidenceStats",
-    "choose_lengths", "choose_source", "confidence_cut", "expected_from_confidence", "with_confidence",
+    "COST_KEYS", "SOURCES", "AcceptanceStats", "Choice", "ConfidenceCalibration", "CostModel",
+    "choose_lengths", "choose_source", "expected_from_confidence",
 ]
