@@ -29,6 +29,10 @@ decoding would. Reported per policy, overall and by prompt length:
 * ``tau_emitted``: the same without the drafts accepted past the last emitted token;
 * ``tokens_per_step``: output tokens / target steps (every round counted): what throughput sees.
 
+With ``--costs`` it also replays dlite-adaptive's controller at fixed step, token and draft costs
+(one request at a time), next to fixed k and no speculation: what the decision logic does with
+this drafter's head probabilities, apart from the noise of a shared machine.
+
 The trace is the expensive part (one target prefill and decode per request); it is cached in
 ``OUT/trace.json`` and reused when the settings match. The drafts are the teacher-forced ones, so
 they can differ from vLLM's in a last floating-point digit; ``ab.py`` measures the real thing.
@@ -128,8 +132,9 @@ def build_trace(args) -> dict:
             sd = suffix.speculate(r, pattern, max_spec_tokens=K,
                                   max_spec_factor=defaults["suffix_decoding_max_spec_factor"],
                                   min_token_prob=defaults["suffix_decoding_min_token_prob"])
-            anchors.append(Anchor(drafted.token_ids[j].tolist(), conf[j].tolist(), ng, n,
-                                  [int(t) for t in sd.token_ids], float(sd.score), (output + after)[j + 1: j + 1 + K]))
+            anchors.append(Anchor(dlite=drafted.token_ids[j].tolist(), confidence=[round(c, 5) for c in conf[j].tolist()],
+                                  ngram=ng, ngram_n=n, suffix=[int(t) for t in sd.token_ids],
+                                  suffix_score=round(float(sd.score), 5), truth=(output + after)[j + 1: j + 1 + K]))
         suffix.stop_request(r)
         out.append({"prompt_tokens": P, "output": output, "anchors": [vars(a) for a in anchors]})
         print(f"[trace] {r + 1}/{len(requests)}: {P} prompt tokens, {len(output)} new", flush=True)
@@ -243,6 +248,48 @@ def evaluate(trace: dict, k: Optional[int] = None) -> dict:
     return report
 
 
+# =========================================================================== dlite-adaptive at given costs
+def decode_rate(trace: dict, costs: tuple[float, float, float], k: int = 0, adaptive: bool = False) -> dict:
+    """Decode tokens/s of DLite proposing ``k`` tokens every round (0: no speculation), or of
+    dlite-adaptive's controller (``adaptive``), one request at a time, when a target step costs
+    ``step + token x drafts`` seconds and a draft round ``draft`` (prefill not counted). The
+    controller sees a clock that advances by those costs and fits its own cost model from it, as
+    in vLLM; the head probabilities and the outcomes are the trace's."""
+    from vllm_dlite.vllm.adaptive import AdaptiveController, AdaptiveOptions
+
+    step_s, token_s, draft_s = costs
+    K = trace["K"]
+    now = [0.0]
+    ctl = AdaptiveController(AdaptiveOptions.from_dict("adaptive"), K, clock=lambda: now[0]) if adaptive else None
+    seconds = tokens = rounds = drafted = 0
+    for r_i, r in enumerate(trace["requests"]):
+        rid, anchors, n = f"r{r_i}", [Anchor(**x) for x in r["anchors"]], len(r["output"])
+        j, scheduled, rejected, query = 0, 0, None, r["prompt_tokens"]
+        now[0] += 1.0  # the prefill: not a decode step, not counted
+        while j < n - 1:
+            a = anchors[j]
+            if ctl is None:
+                length, ran = k, k > 0
+            else:
+                ctl.begin_round([rid], [scheduled], [query], rejected, live_req_ids={rid}, now=now[0])
+                plan = ctl.plan([rid], K)
+                ran = bool(plan.dlite_rows)
+                now[0] += draft_s if ran else 0.0
+                lengths, sources = ctl.select(plan, [rid], K, {0: a.confidence} if ran else {})
+                ctl.end_round([rid], sources, lengths, plan.phase, len(plan.dlite_rows),
+                              draft_s if ran else None, now=now[0])
+                length = lengths[0]
+            m = accepted(a.dlite[:length], a.truth)
+            step = step_s + token_s * length
+            now[0] += step
+            seconds += step + (draft_s if ran else 0.0)
+            rounds, drafted = rounds + 1, drafted + (length > 0)
+            scheduled, rejected, query = length, ([length - m] if length else None), 1 + length
+            j += m + 1
+        tokens += n - 1
+    return {"tokens_per_s": round(tokens / seconds, 1), "rounds": rounds, "rounds_with_drafts": drafted}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", required=True)
@@ -254,6 +301,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ngram-min", type=int, default=2, help="ab.py's n-gram method uses 2..5")
     ap.add_argument("--ngram-max", type=int, default=5)
+    ap.add_argument("--costs", default=None, metavar="STEP_MS,TOKEN_MS,DRAFT_MS",
+                    help="also report decode tokens/s at these costs (e.g. the cost model ab.py reports for "
+                         "dlite-adaptive): no speculation, fixed k = 2, 4, K, and dlite-adaptive's controller")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -264,6 +314,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         path.write_text(json.dumps(trace))
     report = {"settings": trace["settings"] | {"command": "python benchmarks/draft_sources.py " + " ".join(
         argv if argv is not None else sys.argv[1:])}, "policies": evaluate(trace)}
+    if args.costs:
+        costs = tuple(float(c) / 1e3 for c in args.costs.split(","))
+        report["decode_at_costs"] = {"costs_ms": args.costs, **{
+            name: decode_rate(trace, costs, k, adaptive) for name, k, adaptive in (
+                ("none", 0, False), ("dlite@2", 2, False), ("dlite@4", 4, False),
+                (f"dlite (k {trace['K']})", trace["K"], False), ("dlite-adaptive", 0, True))}}
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     labels = [b[2] for b in BUCKETS]
     print(f"{'policy':62s} {'tau':>6s} {'emitted':>7s} {'tok/step':>8s}  " + "  ".join(f"{l:>13s}" for l in labels))
@@ -273,6 +329,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         by = "  ".join(f"{rows[l]['tau'] or 0:6.2f}/{rows[l]['tokens_per_step']:6.2f}" if l in rows else f"{'-':>13s}"
                        for l in labels)
         print(f"{name:62s} {o['tau'] or 0:6.2f} {o['tau_emitted'] or 0:7.2f} {o['tokens_per_step']:8.2f}  {by}")
+    if args.costs:
+        print(f"\ndecode tokens/s, one request at a time, step,token,draft = {args.costs} ms:")
+        for name, r in report["decode_at_costs"].items():
+            if name != "costs_ms":
+                print(f"  {name:16s} {r['tokens_per_s']:7.1f}  ({r['rounds_with_drafts']} of {r['rounds']} rounds drafted)")
     return 0
 
 

@@ -133,11 +133,14 @@ def test_cost_model_recovers_measured_costs():
     for t in range(60):
         B = int(rng.integers(1, 9))
         drafts = int(rng.integers(0, K * B + 1)) if t % 2 else 0
-        cost.observe_step(B, B + drafts, 0.010 + 0.002 * B + 0.0005 * drafts + rng.normal(0, 1e-5))
+        accepted = int(rng.integers(0, drafts + 1))
+        cost.observe_step(B, B + drafts, 0.010 + 0.002 * B + 0.0005 * drafts + 0.0008 * accepted
+                          + rng.normal(0, 1e-5), accepted)
         cost.observe_draft(B, 0.003 + 0.0001 * B)
     assert cost.ready
     assert cost.step_seconds(4) == pytest.approx(0.018, rel=0.02)
     assert cost.token_seconds(4) == pytest.approx(0.0005, rel=0.05)
+    assert cost.accepted_seconds() == pytest.approx(0.0008, rel=0.05)  # emitted tokens, kept apart
     assert cost.step_seconds(4, 4 + 8) == pytest.approx(0.022, rel=0.02)
     assert cost.draft_seconds(4) == pytest.approx(0.0034, rel=0.02)
     cost.observe_draft(4, 5.0)  # a one-off stall is clipped, not learned
@@ -299,10 +302,11 @@ def test_controller_explores_then_probes_and_learns():
     phases = []
     scheduled = [0, 0]
     for r in range(12):
-        # a step costs 10 ms + 1 ms per draft token verified: speculation with tau ~ 1.9 pays
-        now[0] += 0.010 + 0.001 * sum(scheduled)
-        ctl.begin_round(["a", "b"], scheduled, [1 + s for s in scheduled],
-                        [max(0, s - 2) for s in scheduled] if any(scheduled) else None)
+        # a step costs 10 ms + 1 ms per draft token verified + 0.5 ms per accepted one (emitted);
+        # 1 to 3 drafts accepted per request: speculation pays
+        rejected = [max(0, s - 1 - (r + i) % 3) for i, s in enumerate(scheduled)]
+        now[0] += 0.010 + 0.001 * sum(scheduled) + 0.0005 * sum(s - j for s, j in zip(scheduled, rejected))
+        ctl.begin_round(["a", "b"], scheduled, [1 + s for s in scheduled], rejected if any(scheduled) else None)
         plan, lengths = _round(ctl, ["a", "b"], [0.9] * K)
         phases.append(plan.phase)
         scheduled = lengths
@@ -310,6 +314,7 @@ def test_controller_explores_then_probes_and_learns():
     assert phases[:4] == ["explore-off", "explore-on", "explore-off", "explore-on"]
     assert "probe-off" in phases and phases.count("decide") >= 5
     assert ctl.cost.ready and ctl.cost.token_seconds(2) == pytest.approx(0.001, rel=0.2)
+    assert ctl.cost.accepted_seconds() == pytest.approx(0.0005, rel=0.3)
     assert ctl.speculating
     stats = ctl.stats()
     assert stats["totals"]["dlite"]["accepted"] > 0

@@ -41,10 +41,11 @@ One speculative cycle is a target step that verifies ``N`` tokens for ``B`` requ
 round. :class:`~vllm_dlite.vllm.adaptive_cost.CostModel` fits, by exponentially weighted least
 squares over the last ``window`` observations,
 
-* ``step(B, N) = a + c_req * B + c_tok * (N - B)``: the wall time from the end of one ``propose``
-  to the start of the next (scheduling, input preparation, the target forward, rejection
-  sampling, bookkeeping), from steps in which every request was decoding (``N - B`` = drafts
-  verified);
+* ``step(B, N, A) = a + c_req * B + c_tok * (N - B) + c_acc * A``: the wall time from the end of
+  one ``propose`` to the start of the next (scheduling, input preparation, the target forward,
+  rejection sampling, output processing), from steps in which every request was decoding
+  (``N - B`` = drafts verified, ``A`` = drafts accepted: each is one more token to emit, a cost
+  every method pays per output token, which would otherwise be charged to the verified drafts);
 * ``draft(B) = d0 + d1 * B``: the wall time of the drafting itself (``propose``'s own body).
 
 It is identified by its own traffic: the first ``explore_rounds`` rounds alternate "propose
@@ -57,7 +58,8 @@ numbers (tests, experiments).
 Decision: with ``p[i][j]`` the probability that request ``i`` accepts its first ``j+1`` drafts
 (before drafting: the product of its running conditional acceptance per position; after: the
 product of the calibrated head probabilities), the throughput of a round that
-verifies the set ``S`` of draft tokens is ``(B + sum_S p) / (step(B, B) + c_tok |S| + draft(B))``;
+verifies the set ``S`` of draft tokens is
+``(B + sum_S p) / (step(B, B) + c_tok |S| + c_acc sum_S p + draft(B))``;
 tokens are added in decreasing ``p`` (prefixes only; for suffix drafts the tree's own cumulative
 probabilities) while they raise it. Explore and probe-on rounds propose whole drafts, which is
 where the acceptance of the head's unsure tokens is measured. Before drafting, from the running acceptance alone, the drafter runs only
@@ -354,7 +356,9 @@ class AdaptiveController:
             seconds = now - self._last_end
             typical = self.cost.typical_step_seconds()
             if typical is None or seconds < 8 * typical:  # not an idle gap between requests
-                self.cost.observe_step(len(query_lens), int(sum(query_lens)), seconds)
+                accepted = 0 if num_rejected is None else sum(
+                    max(0, int(d) - int(r)) for d, r in zip(scheduled_drafts, num_rejected) if d > 0)
+                self.cost.observe_step(len(query_lens), int(sum(query_lens)), seconds, accepted)
         for i, req_id in enumerate(req_ids):
             pending = self._pending.pop(req_id, None)
             counters = self.requests.setdefault(req_id, RequestCounters())

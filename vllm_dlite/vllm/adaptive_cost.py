@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 SOURCES = ("dlite", "suffix")
-COST_KEYS = ("step_s", "request_s", "token_s", "draft_s", "draft_request_s")
+COST_KEYS = ("step_s", "request_s", "token_s", "accepted_s", "draft_s", "draft_request_s")
 
 
 # =========================================================================== acceptance
@@ -163,18 +163,20 @@ class CostModel:
 
     def __init__(self, fixed: Optional[dict] = None, window: int = 64, decay: float = 0.97):
         self.fixed = None if fixed is None else {k: float(fixed.get(k, 0.0)) for k in COST_KEYS}
-        self._step = _WeightedFit(2, window, decay)  # x = (B, N - B)
+        self._step = _WeightedFit(3, window, decay)  # x = (B, N - B, A)
         self._draft = _WeightedFit(1, window, decay)  # x = (B,)
         self._saw_plain = self._saw_drafts = False
         self._step_count = 0
         self._typical: Optional[tuple[int, float]] = None
 
     # ---------------------------------------------------------------- observations
-    def observe_step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, batch_size: int, num_tokens: int, seconds: float, accepted: int = 0) -> None:
+        """A verify step of ``batch_size`` requests and ``num_tokens`` tokens in which ``accepted``
+        drafts were accepted (each one more token to emit: output processing, detokenising)."""
         drafts = num_tokens - batch_size
         self._saw_plain |= drafts == 0
         self._saw_drafts |= drafts > 0
-        self._step.add((batch_size, drafts), seconds)
+        self._step.add((batch_size, drafts, accepted), seconds)
         self._step_count += 1
 
     def observe_draft(self, batch_size: int, seconds: float) -> None:
@@ -214,6 +216,14 @@ class CostModel:
         c = self._step.coef()
         return 0.0 if c is None else max(float(c[2]), 0.0)
 
+    def accepted_seconds(self) -> float:
+        """Cost of one more emitted token (an accepted draft) in a step (>= 0), whatever the method:
+        without this term it would be charged to the verified tokens, which it correlates with."""
+        if self.fixed is not None:
+            return self.fixed["accepted_s"]
+        c = self._step.coef()
+        return 0.0 if c is None else max(float(c[3]), 0.0)
+
     def draft_seconds(self, batch_size: int) -> float:
         if self.fixed is not None:
             return self.fixed["draft_s"] + self.fixed["draft_request_s"] * batch_size
@@ -225,7 +235,8 @@ class CostModel:
     def summary(self, batch_size: int = 1) -> dict:
         return {"fixed": self.fixed is not None, "ready": self.ready,
                 "step_s": self.step_seconds(batch_size), "token_s": self.token_seconds(batch_size),
-                "draft_s": self.draft_seconds(batch_size), "batch_size": batch_size,
+                "accepted_s": self.accepted_seconds(), "draft_s": self.draft_seconds(batch_size),
+                "batch_size": batch_size,
                 "step_samples": len(self._step), "draft_samples": len(self._draft)}
 
 
@@ -245,13 +256,14 @@ def choose_lengths(p: Sequence[Sequence[float]], caps: Sequence[int], cost: Cost
 
     ``p[i][j]``: probability that row i's first j+1 drafts are accepted (non-increasing in j);
     ``caps[i]``: at most this many (the draft's length). Greedy: tokens in decreasing ``p`` join
-    while ``p > rate * c_tok`` (each raises ``(B + sum p) / (T0 + c_tok |S| + D)``). All zero when
-    the best rate does not beat ``B / T0`` by ``min_gain`` (``B / (T0 + D)`` when ``draft_spent``:
-    the draft round already ran, so proposing nothing would not give its time back)."""
+    while each raises ``(B + sum p) / (T0 + c_tok |S| + c_acc sum p + D)`` (``c_acc``: the cost of an
+    emitted token). All zero when the best rate does not beat ``B / T0`` by ``min_gain``
+    (``B / (T0 + D)`` when ``draft_spent``: the draft round already ran, so proposing nothing would
+    not give its time back)."""
     n = len(caps)
     B = n if batch_size is None else batch_size
     base = cost.step_seconds(B)
-    token_s = cost.token_seconds(B)
+    token_s, accepted_s = cost.token_seconds(B), cost.accepted_seconds()
     draft_s = cost.draft_seconds(B) if with_draft else 0.0
     base_rate = B / (base + (draft_s if draft_spent else 0.0)) if base > 0 else math.inf
     cands = sorted(((float(p[i][j]), j, i) for i in range(n) for j in range(min(caps[i], len(p[i])))),
@@ -261,10 +273,10 @@ def choose_lengths(p: Sequence[Sequence[float]], caps: Sequence[int], cost: Cost
     for pij, j, i in cands:
         if j != lengths[i] or pij <= 0.0:
             continue
-        if pij * seconds <= tokens * token_s:  # adding it would not raise the rate
+        if pij * seconds <= tokens * (token_s + accepted_s * pij):  # it would not raise the rate
             break
         tokens += pij
-        seconds += token_s
+        seconds += token_s + accepted_s * pij
         lengths[i] += 1
     rate = tokens / seconds if seconds > 0 else math.inf
     speculate = sum(lengths) > 0 and (rate > base_rate * (1.0 + min_gain) or base_rate == math.inf)

@@ -57,8 +57,11 @@ def cpu_env(kv_cache_gib: float = 2, *, in_process: bool = False, threads: int |
     """Variables for a vLLM engine on CPU ({} where CUDA is available): the KV pool in GiB, no
     OpenMP thread binding, ``in_process`` = the engine core in the caller's process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: in-process hooks such as a draft timer see the runner),
-    ``threads`` = ``OMP_NUM_THREADS`` (small CPU matmuls: spinning threads only contend). A value
-    already in ``environ`` (e.g. ``os.environ``: the user's) wins over these defaults."""
+    ``threads`` = ``OMP_NUM_THREADS`` (small CPU matmuls: spinning threads only contend) and
+    ``NUMBA_NUM_THREADS`` (vLLM's n-gram matcher runs on numba, whose OpenMP layer resets torch's
+    thread count to its own, all cores by default, at its first parallel call: an n-gram engine's
+    target would run on more threads than every other engine's). A value already in ``environ``
+    (e.g. ``os.environ``: the user's) wins over these defaults."""
     import torch
 
     if torch.cuda.is_available():
@@ -67,7 +70,7 @@ def cpu_env(kv_cache_gib: float = 2, *, in_process: bool = False, threads: int |
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(threads)
     return {key: (environ or {}).get(key, value) for key, value in env.items()}
 
 
