@@ -1,9 +1,9 @@
 """dlite-adaptive and dlite-hybrid (issue 18): decision logic (fast) and engine runs (slow).
 
 Fast: options and config mapping, the measured cost model's fit, the throughput-maximising length
-choice, the calibration of the head's probabilities, the per-position running acceptance, the hybrid's source choice, the
-controller's phases, a request that stopped drafting being tried again, and the V2 /
-async-scheduling refusals.
+choice, the calibration of the head's probabilities, the per-position running acceptance, the
+hybrid's source choice, the controller's phases, a request that stopped drafting being tried
+again, and the V2 / async-scheduling refusals.
 
 Slow (``@pytest.mark.slow``, tiny random models of ``helpers_vllm``, in-process engine): greedy
 outputs identical to no speculation for both methods; a cost model where drafting cannot pay

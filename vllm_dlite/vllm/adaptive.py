@@ -52,18 +52,18 @@ It is identified by its own traffic: the first ``explore_rounds`` rounds alterna
 nothing" and "propose whole drafts", and afterwards a round does the opposite of the current
 decision after ``probe_every`` rounds (a probe, so that neither the cost model nor the acceptance
 means go stale); the interval doubles while probes confirm the decision (up to 16x) and resets
-when the decision flips, so a steady "off" costs less than 1/(16 probe_every) of a draft round. ``cost_model`` in the options replaces the fit by fixed
-numbers (tests, experiments).
+when the decision flips, so a steady "off" costs less than 1/(16 probe_every) of a draft round.
+``cost_model`` in the options replaces the fit by fixed numbers (tests, experiments).
 
 Decision: with ``p[i][j]`` the probability that request ``i`` accepts its first ``j+1`` drafts
 (before drafting: the product of its running conditional acceptance per position; after: the
-product of the calibrated head probabilities), the throughput of a round that
-verifies the set ``S`` of draft tokens is
-``(B + sum_S p) / (step(B, B) + c_tok |S| + c_acc sum_S p + draft(B))``;
+product of the calibrated head probabilities), the throughput of a round that verifies the set
+``S`` of draft tokens is ``(B + sum_S p) / (step(B, B) + c_tok |S| + c_acc sum_S p + draft(B))``;
 tokens are added in decreasing ``p`` (prefixes only; for suffix drafts the tree's own cumulative
 probabilities) while they raise it. Explore and probe-on rounds propose whole drafts, which is
-where the acceptance of the head's unsure tokens is measured. Before drafting, from the running acceptance alone, the drafter runs only
-when the best rate beats no speculation, ``B / step(B, B)``, by ``min_gain``; otherwise every
+where the acceptance of the head's unsure tokens is measured. Before drafting, from the running
+acceptance alone, the drafter runs only when the best rate beats no speculation,
+``B / step(B, B)``, by ``min_gain``; otherwise every
 request proposes 0 tokens (or its suffix draft, which costs no drafter). After drafting the draft
 time is spent either way, so the lengths then maximise the round's rate with it included.
 
