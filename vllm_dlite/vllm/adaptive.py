@@ -70,9 +70,11 @@ time is spent either way, so the lengths then maximise the round's rate with it 
 Not the default: ``"dlite"`` stays fixed-k. The adaptive methods need Model Runner V1 without async
 scheduling and without tensor parallelism (per-request lists, per-rank timed decisions), while
 vLLM's GPU default is V2 with async scheduling; their online cost model spends its first rounds
-exploring, which short runs notice; and even with every draft turned off a speculative engine pays
-vLLM's own per-step overhead (aux hidden states, rejection sampler, padded-batch preparation:
-~12% of a 7 ms step of the tiny CPU target), so "never costs" means "costs at most that floor".
+exploring, which short runs notice; and even with drafting turned off a speculative engine pays
+vLLM's own per-step overhead (aux hidden states, padded-batch preparation, the proposer call: on
+held-out code turns of the tiny CPU target, drafting in 6% of rounds, 0.84-0.93x of no
+speculation), so "never costs" means "costs at most that floor"; on agentic turns it has not yet
+beaten fixed k at low concurrency (``benchmarks/results/README.md``).
 
 Lossless: the proposer only shortens (or sources) drafts; vLLM's rejection sampler verifies them
 as always. With ``draft_sample_method: "probabilistic"`` the suffix rows carry one-hot draft
