@@ -53,6 +53,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from vllm_dlite.vllm.adaptive_cost import choose_source, expected_from_confidence  # noqa: E402
+
 BUCKETS = ((0, 2048, "0-2k"), (2048, 8192, "2k-8k"), (8192, 1 << 30, "8k-32k"))
 
 
@@ -184,8 +186,6 @@ def confident(a: Anchor, threshold: float) -> list[int]:
 def hybrid(a: Anchor, factor: float = 1.0) -> list[int]:
     """dlite-hybrid's rule (``choose_source``): the suffix tree's draft when its score beats
     ``factor`` x DLite's expected accepted drafts (``factor`` != 1: how sensitive the rule is)."""
-    from vllm_dlite.vllm.adaptive_cost import choose_source, expected_from_confidence
-
     expected = factor * expected_from_confidence(a.confidence)
     return a.suffix if choose_source(len(a.suffix), a.suffix_score, expected) == "suffix" else a.dlite
 
@@ -209,7 +209,7 @@ def policies() -> dict[str, Policy]:
     for s in (1.0, 2.0):
         p[f"suffix if score > {s:g}, else dlite"] = lambda a, s=s: a.suffix if a.suffix and a.suffix_score > s else a.dlite
     p["ngram if longer than dlite's expected, else dlite"] = (
-        lambda a: a.ngram if a.ngram and len(a.ngram) > expected_from(a) else a.dlite)
+        lambda a: a.ngram if a.ngram and len(a.ngram) > expected_from_confidence(a.confidence) else a.dlite)
     p["ngram unless dlite's first token is sure (> 0.7) and differs"] = lambda a: (
         a.dlite if not a.ngram or (a.ngram[0] != a.dlite[0] and a.confidence[0] > 0.7) else a.ngram)
     p["dlite-hybrid: suffix if score > dlite's expected"] = hybrid
@@ -218,12 +218,6 @@ def policies() -> dict[str, Policy]:
     for t in (0.05, 0.3):
         p[f"dlite cut at head probability {t:g}"] = lambda a, t=t: confident(a, t)
     return p
-
-
-def expected_from(a: Anchor) -> float:
-    from vllm_dlite.vllm.adaptive_cost import expected_from_confidence
-
-    return expected_from_confidence(a.confidence)
 
 
 def evaluate(trace: dict, k: Optional[int] = None) -> dict:

@@ -214,7 +214,6 @@ def test_acceptance_running_mean_per_position():
     assert acc.alpha("a", "dlite")[0] < 0.2
     p = acc.cumulative("a", "dlite")
     assert all(p[j + 1] <= p[j] for j in range(3))
-    assert acc.expected_accepted("a", "dlite", 2) == pytest.approx(p[0] + p[1])
     acc.forget("a")
     assert acc.alpha("a", "dlite").tolist() == pytest.approx(acc.global_alpha("dlite").tolist())
 

@@ -117,7 +117,7 @@ class AdaptiveOptions:
     mode: str = "adaptive"
     calibration_bins: int = 10  # head probabilities calibrated per bin of [0, 1]
     min_gain: float = 0.02  # speculate only when the predicted rate beats no speculation by this
-    explore_rounds: int = 6  # first rounds: alternate "nothing" / "everything confident"
+    explore_rounds: int = 6  # first rounds: alternate "nothing" / "whole drafts"
     probe_every: int = 32  # a round does the opposite of the decision after this many (doubling while
     # the probes confirm it, up to 16x; 0: never)
     window: int = 64  # cost-model observations kept
@@ -374,9 +374,10 @@ class AdaptiveController:
             if source not in SOURCES:
                 continue
             accepted = max(0, k - int(num_rejected[i]))
-            self.acceptance.observe(req_id, source, k, accepted)
-            if source == "dlite" and pending[2]:
-                self.calibration.observe(pending[2][:k], accepted)
+            if source == "dlite":  # what the decisions read (suffix drafts carry their own probabilities)
+                self.acceptance.observe(req_id, source, k, accepted)
+                if pending[2]:
+                    self.calibration.observe(pending[2][:k], accepted)
             counters.sources[source].add(k, accepted)
             self.totals[source].add(k, accepted)
         if live_req_ids is not None:

@@ -5,9 +5,9 @@ calibrated by measured acceptance (:class:`ConfidenceCalibration`), the measured
 step and of a draft round (:class:`CostModel`, weighted least squares over a window, or fixed
 costs), and the decision rules: the draft lengths that maximise predicted tokens per second
 (:func:`choose_lengths`, all zero when speculation does not pay by ``min_gain``) and which source a
-hybrid request uses
-(:func:`choose_source`: the one expected to get more tokens accepted). The round-by-round
-policy (exploration, probes, counters) is :class:`~vllm_dlite.vllm.adaptive.AdaptiveController`'s.
+hybrid request uses (:func:`choose_source`: the one expected to get more tokens accepted). The
+round-by-round policy (exploration, probes, counters) is
+:class:`~vllm_dlite.vllm.adaptive.AdaptiveController`'s.
 """
 
 from __future__ import annotations
@@ -70,9 +70,6 @@ class AcceptanceStats:
     def cumulative(self, req_id: str, source: str) -> np.ndarray:
         """``p[j]`` = P(the first j+1 drafts are all accepted)."""
         return np.cumprod(self.alpha(req_id, source))
-
-    def expected_accepted(self, req_id: str, source: str, length: int) -> float:
-        return float(self.cumulative(req_id, source)[: max(0, length)].sum())
 
     def relax(self, req_id: str) -> None:
         """A round in which the request proposed nothing: its own evidence fades at the request
