@@ -147,6 +147,24 @@ def test_cost_model_recovers_measured_costs():
     assert cost.draft_seconds(4) < 0.01
 
 
+def test_cost_model_follows_a_drifting_step():
+    """The base step grows with the context while drafting turns on later in the run: the drift
+    must not be charged to the drafts (one least-squares fit over the window made the per-token
+    cost 3x too large here)."""
+    cost = CostModel(window=64)
+    for t in range(120):
+        drafts = K if (t >= 60 or t % 6 == 0) else 0
+        accepted = t % 3 if drafts else 0
+        cost.observe_step(1, 1 + drafts, 0.010 + 0.0002 * t + 0.001 * drafts + 0.0003 * accepted, accepted)
+        cost.observe_draft(1, 0.004)
+    assert cost.token_seconds(1) == pytest.approx(0.001, rel=0.05)
+    assert cost.accepted_seconds() == pytest.approx(0.0003, rel=0.1)
+    assert cost.step_seconds(1) == pytest.approx(0.010 + 0.0002 * 119, rel=0.02)  # the latest level
+    # a gap (a prefill step between two decode steps) pairs nothing: the jump is level, not slope
+    cost.observe_step(1, 1, 0.050, consecutive=False)
+    assert cost.token_seconds(1) == pytest.approx(0.001, rel=0.05)
+
+
 def test_cost_model_fixed():
     cost = CostModel(fixed={"step_s": 0.01, "request_s": 0.001, "token_s": 0.002, "draft_s": 0.005,
                             "draft_request_s": 0.001})

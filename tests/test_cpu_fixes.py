@@ -49,10 +49,18 @@ def test_fixes_apply_only_to_runners_with_a_speculative_config(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- 1. expand kernel
+def _import_cpu_kernels():
+    """vLLM's C++ CPU kernels, the build for this CPU, as a worker loads them: ``vllm._C`` is the
+    AVX-512 BF16 build and dies of an illegal instruction on an AVX2-only host."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.import_kernels()
+
+
 def test_expand_kernel_fix():
     """vLLM's CPU expand kernel leaves float outputs uninitialised (it writes an int64 copy); the
     fix fills them (temperature / top-p per draft token) and keeps the C++ kernel for int64."""
-    import vllm._C  # noqa: F401 - the C++ kernels
+    _import_cpu_kernels()
     from vllm.utils import cpu_triton_utils as cpu_tl
 
     cpu_fixes.fix_expand_kernel()
@@ -76,7 +84,7 @@ def test_expand_kernel_fix():
 def test_expand_kernel_fix_reaches_the_rejection_sampler(monkeypatch):
     """Applied after the CPU worker registered vLLM's kernel overrides (as it is, at runner init),
     the fix replaces the registered override: ``expand_batch_to_tokens`` gives the right values."""
-    import vllm._C  # noqa: F401
+    _import_cpu_kernels()
     from vllm.platforms.cpu import CpuPlatform
     from vllm.utils import cpu_triton_utils as cpu_tl
     from vllm.v1.sample import rejection_sampler as rs
@@ -94,7 +102,7 @@ def test_expand_kernel_fix_reaches_the_rejection_sampler(monkeypatch):
 # ----------------------------------------------------------------------------- 2. top-k, no drafts
 def _cpu_kernels_as_in_a_worker():
     """vLLM's CPU kernel overrides + the expand fix, as a speculative CPU worker has them."""
-    import vllm._C  # noqa: F401
+    _import_cpu_kernels()
     from vllm.platforms.cpu import CpuPlatform
     from vllm.triton_utils import dispatcher
 

@@ -38,14 +38,16 @@ unchanged; ``SpeculativeConfig`` rejects unknown keys).
 Cost model (measured online, no start-up calibration)
 -----------------------------------------------------
 One speculative cycle is a target step that verifies ``N`` tokens for ``B`` requests plus a draft
-round. :class:`~vllm_dlite.vllm.adaptive_cost.CostModel` fits, by exponentially weighted least
-squares over the last ``window`` observations,
+round. :class:`~vllm_dlite.vllm.adaptive_cost.CostModel` measures
 
-* ``step(B, N, A) = a + c_req * B + c_tok * (N - B) + c_acc * A``: the wall time from the end of
-  one ``propose`` to the start of the next (scheduling, input preparation, the target forward,
+* ``step(B, N, A) = level + c_req * B + c_tok * (N - B) + c_acc * A``: the wall time from the end
+  of one ``propose`` to the start of the next (scheduling, input preparation, the target forward,
   rejection sampling, output processing), from steps in which every request was decoding
   (``N - B`` = drafts verified, ``A`` = drafts accepted: each is one more token to emit, a cost
-  every method pays per output token, which would otherwise be charged to the verified drafts);
+  every method pays per output token, which would otherwise be charged to the verified drafts).
+  The level drifts (the base step grows with the context), so the slopes are fitted on
+  differences of consecutive steps, where it cancels, and the level follows the latest steps
+  (one least-squares fit over the window charged the drift to the drafts);
 * ``draft(B) = d0 + d1 * B``: the wall time of the drafting itself (``propose``'s own body).
 
 It is identified by its own traffic: the first ``explore_rounds`` rounds alternate "propose
@@ -329,6 +331,7 @@ class AdaptiveController:
         self._last_probe = 0
         self._probe_interval = options.probe_every
         self._last_end: Optional[float] = None
+        self._observed_round = -2  # the last round whose verify step the cost model saw
         self._pending: dict[str, tuple[str, int, list]] = {}  # req_id -> (source, proposed, head probs)
         self.calibration = ConfidenceCalibration(options.calibration_bins, options.prior_strength,
                                                  options.global_decay)
@@ -360,7 +363,9 @@ class AdaptiveController:
             if typical is None or seconds < 8 * typical:  # not an idle gap between requests
                 accepted = 0 if num_rejected is None else sum(
                     max(0, int(d) - int(r)) for d, r in zip(scheduled_drafts, num_rejected) if d > 0)
-                self.cost.observe_step(len(query_lens), int(sum(query_lens)), seconds, accepted)
+                self.cost.observe_step(len(query_lens), int(sum(query_lens)), seconds, accepted,
+                                       consecutive=self._observed_round == self.round - 1)
+                self._observed_round = self.round
         for i, req_id in enumerate(req_ids):
             pending = self._pending.pop(req_id, None)
             counters = self.requests.setdefault(req_id, RequestCounters())

@@ -2,8 +2,8 @@
 NumPy inputs (no vLLM): per-request and per-source draft acceptance (:class:`AcceptanceStats`, a
 decayed running mean per draft position with the population as prior), the head's probabilities
 calibrated by measured acceptance (:class:`ConfidenceCalibration`), the measured cost of a verify
-step and of a draft round (:class:`CostModel`, weighted least squares over a window, or fixed
-costs), and the decision rules: the draft lengths that maximise predicted tokens per second
+step and of a draft round (:class:`CostModel`: slopes from consecutive steps under a drifting
+level, a least-squares draft cost, or fixed costs), and the decision rules: the draft lengths that maximise predicted tokens per second
 (:func:`choose_lengths`, all zero when speculation does not pay by ``min_gain``) and which source a
 hybrid request uses (:func:`choose_source`: the one expected to get more tokens accepted). The
 round-by-round policy (exploration, probes, counters) is
@@ -154,26 +154,82 @@ class _WeightedFit:
         return self._coef
 
 
+class _StepFit:
+    """A verify step ``y = level + c . x`` (``x = (B, N - B, A)``) whose level drifts.
+
+    The base step grows with the context (attention over a longer KV cache) and moves when a
+    request joins or the host gets busy, so one least-squares fit over a window mixes contexts and
+    charges their drift to whatever correlates with it in time (the drafts). Here the slopes ``c``
+    come from **differences of consecutive steps**, in which the level cancels: least squares
+    through the origin over the last ``window`` differences, refitted without those whose residual
+    exceeds 3x the median one (stalls). The level is an exponentially weighted mean of
+    ``y - c . x`` (weight ``level_decay`` on the past; observations clipped to 3x the window's
+    median), so it follows the context."""
+
+    def __init__(self, window: int, level_decay: float = 0.5):
+        self.window, self.level_decay = window, level_decay
+        self.dx: list[list[float]] = []
+        self.dy: list[float] = []
+        self.y: list[float] = []  # recent steps (median: stalls, idle gaps)
+        self.level: Optional[float] = None
+        self._last: Optional[tuple[np.ndarray, float]] = None
+        self._coef: Optional[np.ndarray] = None
+
+    def add(self, x: Sequence[float], y: float, consecutive: bool) -> None:
+        x = np.asarray(x, dtype=float)
+        if consecutive and self._last is not None and np.any(x != self._last[0]):
+            self.dx.append(list(x - self._last[0]))
+            self.dy.append(y - self._last[1])
+            if len(self.dy) > self.window:
+                del self.dx[0], self.dy[0]
+            self._coef = None
+        self._last = (x, y)
+        self.y.append(y)
+        if len(self.y) > self.window:
+            del self.y[0]
+        r = min(y, 3.0 * float(np.median(self.y))) - float(self.coef() @ x)
+        self.level = r if self.level is None else self.level_decay * self.level + (1 - self.level_decay) * r
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def varied(self, column: int) -> bool:
+        """Some difference moved feature ``column`` (its slope is identified)."""
+        return any(d[column] != 0 for d in self.dx)
+
+    def coef(self) -> np.ndarray:
+        if self._coef is None:
+            c = np.zeros(3)
+            if self.dy:
+                X, y = np.asarray(self.dx), np.asarray(self.dy)
+                c = np.linalg.lstsq(X, y, rcond=None)[0]
+                for _ in range(2):  # drop stalls: residuals above 3x the median one
+                    r = np.abs(y - X @ c)
+                    keep = r <= 3.0 * np.median(r) + 1e-12
+                    c = np.linalg.lstsq(X[keep], y[keep], rcond=None)[0]
+            self._coef = np.maximum(c, 0.0)
+        return self._coef
+
+
 class CostModel:
     """Measured step and draft costs (seconds): see the module docstring of
     :mod:`vllm_dlite.vllm.adaptive` ("Cost model")."""
 
-    def __init__(self, fixed: Optional[dict] = None, window: int = 64, decay: float = 0.97):
+    def __init__(self, fixed: Optional[dict] = None, window: int = 64, decay: float = 0.97,
+                 level_decay: float = 0.5):
         self.fixed = None if fixed is None else {k: float(fixed.get(k, 0.0)) for k in COST_KEYS}
-        self._step = _WeightedFit(3, window, decay)  # x = (B, N - B, A)
-        self._draft = _WeightedFit(1, window, decay)  # x = (B,)
-        self._saw_plain = self._saw_drafts = False
+        self._step = _StepFit(window, level_decay)  # x = (B, N - B, A)
+        self._draft = _WeightedFit(1, window, decay)  # x = (B,): no drift (the drafter keeps no history)
         self._step_count = 0
         self._typical: Optional[tuple[int, float]] = None
 
     # ---------------------------------------------------------------- observations
-    def observe_step(self, batch_size: int, num_tokens: int, seconds: float, accepted: int = 0) -> None:
+    def observe_step(self, batch_size: int, num_tokens: int, seconds: float, accepted: int = 0,
+                     consecutive: bool = True) -> None:
         """A verify step of ``batch_size`` requests and ``num_tokens`` tokens in which ``accepted``
-        drafts were accepted (each one more token to emit: output processing, detokenising)."""
-        drafts = num_tokens - batch_size
-        self._saw_plain |= drafts == 0
-        self._saw_drafts |= drafts > 0
-        self._step.add((batch_size, drafts, accepted), seconds)
+        drafts were accepted (each one more token to emit: output processing, detokenising);
+        ``consecutive``: the previous observation was the step just before this one."""
+        self._step.add((batch_size, num_tokens - batch_size, accepted), seconds, consecutive)
         self._step_count += 1
 
     def observe_draft(self, batch_size: int, seconds: float) -> None:
@@ -181,8 +237,9 @@ class CostModel:
 
     @property
     def ready(self) -> bool:
-        """Fixed, or measured with and without drafts (so the per-token slope is identified)."""
-        return self.fixed is not None or (self._saw_plain and self._saw_drafts and len(self._draft) > 0)
+        """Fixed, or measured across a change of the drafts verified (so the per-token slope is
+        identified) and with a draft round."""
+        return self.fixed is not None or (self._step.varied(1) and len(self._draft) > 0)
 
     def typical_step_seconds(self) -> Optional[float]:
         """Median verify step of the window (recomputed every 8 observations: it runs each round)."""
@@ -200,26 +257,23 @@ class CostModel:
         if self.fixed is not None:
             f = self.fixed
             return f["step_s"] + f["request_s"] * batch_size + f["token_s"] * (num_tokens - batch_size)
-        c = self._step.coef()
-        if c is None:
+        if self._step.level is None:
             return 0.0
-        base = max(c[0] + c[1] * batch_size, 1e-6)
+        base = max(self._step.level + self._step.coef()[0] * batch_size, 1e-6)
         return base + self.token_seconds(batch_size) * (num_tokens - batch_size)
 
     def token_seconds(self, batch_size: int = 1) -> float:
         """Marginal cost of one more draft token in a verify step (>= 0)."""
         if self.fixed is not None:
             return self.fixed["token_s"]
-        c = self._step.coef()
-        return 0.0 if c is None else max(float(c[2]), 0.0)
+        return float(self._step.coef()[1])
 
     def accepted_seconds(self) -> float:
         """Cost of one more emitted token (an accepted draft) in a step (>= 0), whatever the method:
         without this term it would be charged to the verified tokens, which it correlates with."""
         if self.fixed is not None:
             return self.fixed["accepted_s"]
-        c = self._step.coef()
-        return 0.0 if c is None else max(float(c[3]), 0.0)
+        return float(self._step.coef()[2])
 
     def draft_seconds(self, batch_size: int) -> float:
         if self.fixed is not None:

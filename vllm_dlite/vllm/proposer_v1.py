@@ -202,17 +202,17 @@ class DLiteProposer(DFlashProposer):
             # prefill (or unpadded batch): the last scheduled row of each request
             token_indices_to_sample = common_attn_metadata.query_start_loc[1 : batch_size + 1] - 1
         rows = token_indices_to_sample[:batch_size].long()
-        features = target_hidden_states[rows]  # [B, L*H]
         anchors = next_token_ids[:batch_size].long()
-        group_ids, group_lens = self.group_tokens(
-            anchors, rows, target_token_ids, target_positions, common_attn_metadata
-        )
         temperatures = self._temperatures(sampling_metadata)
         if self.controller is not None:
             return self._propose_adaptive(
-                num_speculative_tokens, started, rows, features, group_ids, group_lens, temperatures,
-                target_positions, common_attn_metadata, num_rejected_tokens_gpu,
+                num_speculative_tokens, started, rows, anchors, target_token_ids, target_hidden_states,
+                temperatures, target_positions, common_attn_metadata, num_rejected_tokens_gpu,
             )
+        features = target_hidden_states[rows]  # [B, L*H]
+        group_ids, group_lens = self.group_tokens(
+            anchors, rows, target_token_ids, target_positions, common_attn_metadata
+        )
         draft_ids, logits = self.model.propose_drafts(
             features,
             group_ids,
@@ -244,8 +244,10 @@ class DLiteProposer(DFlashProposer):
             out.append(self.suffix.draft(req_id, context, int(batch.num_prompt_tokens[i]), k))
         return out
 
-    def _propose_adaptive(self, k, started, rows, features, group_ids, group_lens, temperatures,
+    def _propose_adaptive(self, k, started, rows, anchors, target_token_ids, target_hidden_states, temperatures,
                           target_positions, common_attn_metadata, num_rejected_tokens_gpu) -> list[list[int]]:
+        """Per-request drafts of 0..k tokens. The drafter's inputs (features, anchor groups) are
+        gathered only when the plan drafts: a round that proposes nothing costs only the decision."""
         ctl = self.controller
         batch = self.runner.input_batch
         B = rows.shape[0]
@@ -257,13 +259,17 @@ class DLiteProposer(DFlashProposer):
         ctl.begin_round(req_ids, scheduled, query_lens, rejected, live_req_ids=self.runner.requests,
                         now=started)
 
-        suffix = (self._suffix_drafts(k, req_ids, rows, group_ids[:, -1], target_positions)
+        suffix = (self._suffix_drafts(k, req_ids, rows, anchors, target_positions)
                   if self.suffix is not None else None)
         plan = ctl.plan(req_ids, k, suffix)
         confidence: dict[int, list[float]] = {}
         dlite_ids: dict[int, list[int]] = {}
         probs = None
         if plan.dlite_rows:
+            features = target_hidden_states[rows]  # [B, L*H]
+            group_ids, group_lens = self.group_tokens(
+                anchors, rows, target_token_ids, target_positions, common_attn_metadata
+            )
             sel_c = torch.tensor(plan.dlite_rows, dtype=torch.long)
             sel = sel_c.to(features.device)
             temps = None if temperatures is None else temperatures[:B][sel]
@@ -286,9 +292,9 @@ class DLiteProposer(DFlashProposer):
         if temperatures is not None and any(drafts):
             # vLLM reads draft probabilities [:len(draft)] per request; suffix drafts are one-hot
             V = self.dlite_config.vocab_size
-            full = torch.zeros(B, k, V, dtype=torch.float32, device=features.device)
+            full = torch.zeros(B, k, V, dtype=torch.float32, device=anchors.device)
             if probs is not None:
-                full[torch.tensor(plan.dlite_rows, device=features.device)] = probs.to(full.device)
+                full[torch.tensor(plan.dlite_rows, device=anchors.device)] = probs.to(full.device)
             for i, tokens in enumerate(drafts):
                 if sources[i] == "suffix" and tokens:
                     full[i, : len(tokens)] = 0.0
