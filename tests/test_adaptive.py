@@ -176,12 +176,12 @@ def test_cost_model_fixed():
 # =========================================================================== decisions
 def test_head_probabilities_are_calibrated_by_measured_acceptance():
     cal = ConfidenceCalibration(bins=10, strength=2.0, decay=1.0)
-    assert cal.alpha([0.9, 0.35]).tolist() == pytest.approx([0.9, 0.35])  # no evidence: the head's word
+    assert cal.alpha([0.9, 0.35]) == pytest.approx([0.9, 0.35])  # no evidence: the head's word
     for _ in range(50):  # an overconfident head: its 0.9 tokens are accepted half the time
         cal.observe([0.9, 0.9, 0.9], accepted=1)  # the first accepted, the second rejected, the third unseen
     assert cal.alpha([0.9])[0] == pytest.approx(0.5, abs=0.02)
     assert cal.alpha([0.35])[0] == pytest.approx(0.35)  # another bin: still the prior
-    assert cal.cumulative([0.9, 0.9]).tolist() == pytest.approx([0.5 ** 1, 0.5 ** 2], abs=0.02)
+    assert cal.cumulative([0.9, 0.9]) == pytest.approx([0.5 ** 1, 0.5 ** 2], abs=0.02)
     assert cal.summary()[9] == (pytest.approx(0.5), 100.0)
 
 
@@ -217,15 +217,15 @@ def test_choose_lengths_follows_the_cost_model():
 
 def test_acceptance_running_mean_per_position():
     acc = AcceptanceStats(4, prior=0.5, strength=1.0, request_decay=0.5, global_decay=1.0)
-    assert acc.alpha("a", "dlite").tolist() == [0.5] * 4
+    assert acc.alpha("a", "dlite") == [0.5] * 4
     acc.observe("a", "dlite", proposed=4, accepted=2)  # positions 1, 2 accepted, 3 rejected, 4 unseen
     g = acc.global_alpha("dlite")
     assert g[0] == g[1] == pytest.approx(0.75) and g[2] == pytest.approx(0.25) and g[3] == 0.5
     a = acc.alpha("a", "dlite")
     assert a[0] > g[0] and a[2] < g[2] and a[3] == pytest.approx(0.5)
     # a new request starts from the population's means; another source is separate
-    assert acc.alpha("b", "dlite").tolist() == pytest.approx(g.tolist())
-    assert acc.alpha("a", "suffix").tolist() == [0.5] * 4
+    assert acc.alpha("b", "dlite") == pytest.approx(g)
+    assert acc.alpha("a", "suffix") == [0.5] * 4
     # the running mean follows recent rounds (decay 0.5)
     for _ in range(6):
         acc.observe("a", "dlite", proposed=4, accepted=0)
@@ -233,7 +233,7 @@ def test_acceptance_running_mean_per_position():
     p = acc.cumulative("a", "dlite")
     assert all(p[j + 1] <= p[j] for j in range(3))
     acc.forget("a")
-    assert acc.alpha("a", "dlite").tolist() == pytest.approx(acc.global_alpha("dlite").tolist())
+    assert acc.alpha("a", "dlite") == pytest.approx(acc.global_alpha("dlite"))
 
 
 def test_hybrid_source_choice():

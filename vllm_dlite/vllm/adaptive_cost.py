@@ -13,7 +13,9 @@ round-by-round policy (exploration, probes, counters) is
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import numpy as np
@@ -29,15 +31,16 @@ class AcceptanceStats:
     ``alpha[j]`` = P(draft position j accepted | positions < j accepted). Per request it is a
     decayed count ``(acc_j + m g_j) / (n_j + m)`` whose prior ``g_j`` is the same mean over all
     requests (itself starting at ``prior``), so a new request starts at the population's rate and
-    a position a request never proposed keeps the population's value."""
+    a position a request never proposed keeps the population's value. Plain lists: it runs per
+    request and round on K <= 16 numbers, where NumPy's per-call cost dominates."""
 
     def __init__(self, num_draft_tokens: int, prior: float = 0.6, strength: float = 2.0,
                  request_decay: float = 0.8, global_decay: float = 0.98):
         self.num_draft_tokens = num_draft_tokens
         self.prior, self.strength = prior, strength
         self.request_decay, self.global_decay = request_decay, global_decay
-        self._global = {s: (np.zeros(num_draft_tokens), np.zeros(num_draft_tokens)) for s in SOURCES}
-        self._req: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+        self._global = {s: ([0.0] * num_draft_tokens, [0.0] * num_draft_tokens) for s in SOURCES}
+        self._req: dict[str, dict[str, tuple[list, list]]] = {}
 
     def observe(self, req_id: str, source: str, proposed: int, accepted: int) -> None:
         """One verification: ``accepted`` of the ``proposed`` drafts (positions past the first
@@ -47,37 +50,39 @@ class AcceptanceStats:
         if proposed <= 0:
             return
         seen = min(accepted + 1, proposed)
-        x = np.zeros(seen)
-        x[:accepted] = 1.0
-        racc, rn = self._req.setdefault(req_id, {}).setdefault(source, (np.zeros(self.num_draft_tokens), np.zeros(self.num_draft_tokens)))
+        K = self.num_draft_tokens
+        racc, rn = self._req.setdefault(req_id, {}).setdefault(source, ([0.0] * K, [0.0] * K))
         gacc, gn = self._global[source]
         for acc, n, d in ((racc, rn, self.request_decay), (gacc, gn, self.global_decay)):
-            acc[:seen] = acc[:seen] * d + x
-            n[:seen] = n[:seen] * d + 1.0
+            for j in range(seen):
+                acc[j] = acc[j] * d + (1.0 if j < accepted else 0.0)
+                n[j] = n[j] * d + 1.0
 
-    def global_alpha(self, source: str) -> np.ndarray:
+    def global_alpha(self, source: str) -> list[float]:
         gacc, gn = self._global[source]
-        return (gacc + self.strength * self.prior) / (gn + self.strength)
+        m, prior = self.strength, self.prior
+        return [(a + m * prior) / (n + m) for a, n in zip(gacc, gn)]
 
-    def alpha(self, req_id: str, source: str) -> np.ndarray:
+    def alpha(self, req_id: str, source: str) -> list[float]:
         g = self.global_alpha(source)
         rec = self._req.get(req_id, {}).get(source)
         if rec is None:
             return g
-        acc, n = rec
-        return (acc + self.strength * g) / (n + self.strength)
+        m = self.strength
+        return [(a + m * gj) / (n + m) for a, n, gj in zip(*rec, g)]
 
-    def cumulative(self, req_id: str, source: str) -> np.ndarray:
+    def cumulative(self, req_id: str, source: str) -> list[float]:
         """``p[j]`` = P(the first j+1 drafts are all accepted)."""
-        return np.cumprod(self.alpha(req_id, source))
+        return list(accumulate(self.alpha(req_id, source), operator.mul))
 
     def relax(self, req_id: str) -> None:
         """A round in which the request proposed nothing: its own evidence fades at the request
         decay, so its estimate drifts back to the population's and it is tried again (without
         this a request that once looked bad would never draft again: no draft, no evidence)."""
+        d = self.request_decay
         for acc, n in self._req.get(req_id, {}).values():
-            acc *= self.request_decay
-            n *= self.request_decay
+            acc[:] = [v * d for v in acc]
+            n[:] = [v * d for v in n]
 
     def forget(self, req_id: str) -> None:
         self._req.pop(req_id, None)
@@ -93,49 +98,52 @@ class ConfidenceCalibration:
 
     def __init__(self, bins: int = 10, strength: float = 2.0, decay: float = 0.98):
         self.bins, self.strength, self.decay = bins, strength, decay
-        self.acc, self.n = np.zeros(bins), np.zeros(bins)
+        self.acc, self.n = [0.0] * bins, [0.0] * bins
 
-    def _bin(self, q: np.ndarray) -> np.ndarray:
-        return np.clip((q * self.bins).astype(int), 0, self.bins - 1)
+    def _bin(self, q: float) -> int:
+        return min(max(int(q * self.bins), 0), self.bins - 1)
 
     def observe(self, confidence: Sequence[float], accepted: int) -> None:
         seen = min(int(accepted) + 1, len(confidence))
-        for j, b in enumerate(self._bin(np.asarray(confidence[:seen], dtype=float))):
+        for j in range(seen):
+            b = self._bin(float(confidence[j]))
             self.acc[b] = self.acc[b] * self.decay + (1.0 if j < accepted else 0.0)
             self.n[b] = self.n[b] * self.decay + 1.0
 
-    def alpha(self, confidence: Sequence[float]) -> np.ndarray:
-        q = np.asarray(confidence, dtype=float)
-        b = self._bin(q)
-        return (self.acc[b] + self.strength * q) / (self.n[b] + self.strength)
+    def alpha(self, confidence: Sequence[float]) -> list[float]:
+        m = self.strength
+        return [(self.acc[b] + m * q) / (self.n[b] + m)
+                for q, b in ((float(q), self._bin(float(q))) for q in confidence)]
 
-    def cumulative(self, confidence: Sequence[float]) -> np.ndarray:
+    def cumulative(self, confidence: Sequence[float]) -> list[float]:
         """``p[j]`` = P(the first j+1 drafts are all accepted)."""
-        return np.cumprod(self.alpha(confidence))
+        return list(accumulate(self.alpha(confidence), operator.mul))
 
     def summary(self) -> list:
         """Per bin: (measured acceptance or None, observations)."""
-        return [(None if n < 1e-9 else float(a / n), float(n)) for a, n in zip(self.acc, self.n)]
+        return [(None if n < 1e-9 else a / n, n) for a, n in zip(self.acc, self.n)]
 
 
 # =========================================================================== cost model
 class _WeightedFit:
     """Exponentially weighted least squares over the last ``window`` rows, with a tiny ridge
     towards zero on every coefficient but the intercept (keeps it defined without variation);
-    observations above 3x the window's median are clipped to it (one-off stalls)."""
+    observations above 3x the window's median are clipped to it (one-off stalls). Refitted every
+    ``refit_every`` new rows (it runs each round)."""
 
-    def __init__(self, num_features: int, window: int, decay: float):
-        self.num_features, self.window, self.decay = num_features, window, decay
+    def __init__(self, num_features: int, window: int, decay: float, refit_every: int = 4):
+        self.num_features, self.window, self.decay, self.refit_every = num_features, window, decay, refit_every
         self.x: list[list[float]] = []
         self.y: list[float] = []
         self._coef: Optional[np.ndarray] = None
+        self._new = 0  # rows since the last fit
 
     def add(self, x: Sequence[float], y: float) -> None:
         self.x.append([1.0, *map(float, x)])
         self.y.append(float(y))
         if len(self.y) > self.window:
             del self.x[0], self.y[0]
-        self._coef = None
+        self._new += 1
 
     def __len__(self) -> int:
         return len(self.y)
@@ -143,7 +151,8 @@ class _WeightedFit:
     def coef(self) -> Optional[np.ndarray]:
         if not self.y:
             return None
-        if self._coef is None:
+        if self._coef is None or self._new >= self.refit_every:
+            self._new = 0
             X, y = np.asarray(self.x), np.asarray(self.y)
             y = np.minimum(y, 3.0 * np.median(y))  # one-off stalls (first calls, a busy host)
             w = np.sqrt(self.decay ** np.arange(len(y) - 1, -1, -1))
@@ -162,33 +171,45 @@ class _StepFit:
     charges their drift to whatever correlates with it in time (the drafts). Here the slopes ``c``
     come from **differences of consecutive steps**, in which the level cancels: least squares
     through the origin over the last ``window`` differences, refitted without those whose residual
-    exceeds 3x the median one (stalls). The level is an exponentially weighted mean of
-    ``y - c . x`` (weight ``level_decay`` on the past; observations clipped to 3x the window's
-    median), so it follows the context."""
+    exceeds 3x the median one (stalls), every ``refit_every`` new differences (it runs each round).
+    The level is an exponentially weighted mean of ``y - c . x`` (weight ``level_decay`` on the
+    past; observations clipped to 3x the window's median), so it follows the context."""
 
-    def __init__(self, window: int, level_decay: float = 0.5):
-        self.window, self.level_decay = window, level_decay
+    def __init__(self, window: int, level_decay: float = 0.5, refit_every: int = 4):
+        self.window, self.level_decay, self.refit_every = window, level_decay, refit_every
         self.dx: list[list[float]] = []
         self.dy: list[float] = []
         self.y: list[float] = []  # recent steps (median: stalls, idle gaps)
         self.level: Optional[float] = None
-        self._last: Optional[tuple[np.ndarray, float]] = None
-        self._coef: Optional[np.ndarray] = None
+        self._last: Optional[tuple[list[float], float]] = None
+        self._coef = np.zeros(3)
+        self._new = 0  # differences since the last fit
+        self._median: Optional[tuple[int, float]] = None  # (observations then, median)
+        self._count = 0
 
     def add(self, x: Sequence[float], y: float, consecutive: bool) -> None:
-        x = np.asarray(x, dtype=float)
-        if consecutive and self._last is not None and np.any(x != self._last[0]):
-            self.dx.append(list(x - self._last[0]))
+        x = [float(v) for v in x]
+        if consecutive and self._last is not None and x != self._last[0]:
+            self.dx.append([a - b for a, b in zip(x, self._last[0])])
             self.dy.append(y - self._last[1])
             if len(self.dy) > self.window:
                 del self.dx[0], self.dy[0]
-            self._coef = None
+            self._new += 1
+            if self._new >= self.refit_every or not self._coef.any():
+                self._fit()
         self._last = (x, y)
         self.y.append(y)
         if len(self.y) > self.window:
             del self.y[0]
-        r = min(y, 3.0 * float(np.median(self.y))) - float(self.coef() @ x)
+        self._count += 1
+        r = min(y, 3.0 * self.median()) - sum(c * v for c, v in zip(self._coef, x))
         self.level = r if self.level is None else self.level_decay * self.level + (1 - self.level_decay) * r
+
+    def median(self) -> float:
+        """Median step of the window (recomputed every 8 observations)."""
+        if self._median is None or self._median[0] + 8 <= self._count or len(self.y) < 8:
+            self._median = (self._count, float(np.median(self.y)))
+        return self._median[1]
 
     def __len__(self) -> int:
         return len(self.y)
@@ -197,17 +218,17 @@ class _StepFit:
         """Some difference moved feature ``column`` (its slope is identified)."""
         return any(d[column] != 0 for d in self.dx)
 
+    def _fit(self) -> None:
+        X, y = np.asarray(self.dx), np.asarray(self.dy)
+        c = np.linalg.lstsq(X, y, rcond=None)[0]
+        for _ in range(2):  # drop stalls: residuals above 3x the median one
+            r = np.abs(y - X @ c)
+            keep = r <= 3.0 * np.median(r) + 1e-12
+            c = np.linalg.lstsq(X[keep], y[keep], rcond=None)[0]
+        self._coef = np.maximum(c, 0.0)
+        self._new = 0
+
     def coef(self) -> np.ndarray:
-        if self._coef is None:
-            c = np.zeros(3)
-            if self.dy:
-                X, y = np.asarray(self.dx), np.asarray(self.dy)
-                c = np.linalg.lstsq(X, y, rcond=None)[0]
-                for _ in range(2):  # drop stalls: residuals above 3x the median one
-                    r = np.abs(y - X @ c)
-                    keep = r <= 3.0 * np.median(r) + 1e-12
-                    c = np.linalg.lstsq(X[keep], y[keep], rcond=None)[0]
-            self._coef = np.maximum(c, 0.0)
         return self._coef
 
 
@@ -220,8 +241,6 @@ class CostModel:
         self.fixed = None if fixed is None else {k: float(fixed.get(k, 0.0)) for k in COST_KEYS}
         self._step = _StepFit(window, level_decay)  # x = (B, N - B, A)
         self._draft = _WeightedFit(1, window, decay)  # x = (B,): no drift (the drafter keeps no history)
-        self._step_count = 0
-        self._typical: Optional[tuple[int, float]] = None
 
     # ---------------------------------------------------------------- observations
     def observe_step(self, batch_size: int, num_tokens: int, seconds: float, accepted: int = 0,
@@ -230,7 +249,6 @@ class CostModel:
         drafts were accepted (each one more token to emit: output processing, detokenising);
         ``consecutive``: the previous observation was the step just before this one."""
         self._step.add((batch_size, num_tokens - batch_size, accepted), seconds, consecutive)
-        self._step_count += 1
 
     def observe_draft(self, batch_size: int, seconds: float) -> None:
         self._draft.add((batch_size,), seconds)
@@ -243,12 +261,7 @@ class CostModel:
 
     def typical_step_seconds(self) -> Optional[float]:
         """Median verify step of the window (recomputed every 8 observations: it runs each round)."""
-        n = len(self._step)
-        if not n:
-            return None
-        if self._typical is None or self._typical[0] + 8 <= self._step_count or n < 8:
-            self._typical = (self._step_count, float(np.median(self._step.y)))
-        return self._typical[1]
+        return self._step.median() if len(self._step) else None
 
     # ---------------------------------------------------------------- predictions
     def step_seconds(self, batch_size: int, num_tokens: Optional[int] = None) -> float:
@@ -339,7 +352,7 @@ def choose_lengths(p: Sequence[Sequence[float]], caps: Sequence[int], cost: Cost
 def expected_from_confidence(confidence: Sequence[float]) -> float:
     """The head's own estimate of the accepted drafts: ``sum_j prod_{i<=j} q_i`` over the
     probabilities ``q`` of the drafted tokens."""
-    return float(np.cumprod(np.asarray(confidence, dtype=float)).sum()) if len(confidence) else 0.0
+    return sum(accumulate(map(float, confidence), operator.mul))
 
 
 def choose_source(suffix_len: int, suffix_score: float, dlite_expected: Optional[float]) -> str:
