@@ -163,9 +163,13 @@ def replay(anchors: list[Anchor], n_out: int, policy: Policy, k: int) -> tuple[i
     """(target steps, rounds with a draft, accepted drafts, accepted drafts that were emitted) of
     one request under ``policy``."""
     j = steps = drafted = acc = emitted = 0
+    if hasattr(policy, "start"):
+        policy.start()
     while j < n_out - 1:
         draft = policy(anchors[j])[:k]
         m = accepted(draft, anchors[j].truth)
+        if hasattr(policy, "observe"):
+            policy.observe(draft, m)
         steps += 1
         if draft:  # vLLM's counters: drafts accepted past the last emitted token count too
             drafted += 1
@@ -190,13 +194,50 @@ def hybrid(a: Anchor, factor: float = 1.0) -> list[int]:
     return a.suffix if choose_source(len(a.suffix), a.suffix_score, expected) == "suffix" else a.dlite
 
 
+class HybridBeforeDrafting:
+    """dlite-hybrid as served (``suffix_skip_factor``): before DLite drafts, the tree's draft when
+    its score beats ``factor`` x DLite's expected accepted drafts from the request's running
+    acceptance (the controller's :class:`AcceptanceStats`, fed by this request's DLite drafts and,
+    through its prior, earlier requests'); otherwise :func:`hybrid` on the head probabilities.
+    Stateful: ``replay`` starts each request and reports each outcome. ``skipped`` counts the
+    rounds decided before drafting (no drafter needed)."""
+
+    def __init__(self, k: int, factor: float):
+        from vllm_dlite.vllm.adaptive import AdaptiveOptions
+        from vllm_dlite.vllm.adaptive_cost import AcceptanceStats
+
+        o = AdaptiveOptions()
+        self.k, self.factor = k, factor
+        self.stats = AcceptanceStats(k, o.prior_acceptance, o.prior_strength, o.request_decay, o.global_decay)
+        self.request, self.skipped, self.source = 0, 0, None
+
+    def start(self) -> None:
+        self.stats.forget(str(self.request))
+        self.request += 1
+
+    def __call__(self, a: Anchor) -> list[int]:
+        expected = sum(self.stats.cumulative(str(self.request), "dlite")[: self.k])
+        if a.suffix and a.suffix_score > self.factor * expected:
+            self.skipped += 1
+            self.source = "suffix"
+            return a.suffix
+        draft = hybrid(a)
+        self.source = "dlite" if draft is a.dlite else "suffix"
+        return draft
+
+    def observe(self, draft: list[int], m: int) -> None:
+        if self.source == "dlite" and draft:
+            self.stats.observe(str(self.request), "dlite", len(draft), m)
+
+
 def best_of(a: Anchor, *drafts: list[int]) -> list[int]:
     return max(drafts, key=lambda d: accepted(d, a.truth))
 
 
-def policies() -> dict[str, Policy]:
+def policies(k: int) -> dict[str, Policy]:
     """Each source alone, an oracle per pair (an upper bound: it knows the truth), fixed
-    thresholds, the shipped rule and its sensitivity, and DLite's confidence cut."""
+    thresholds, the shipped rule and its sensitivity, the rule applied before drafting too (as
+    served), and DLite's confidence cut."""
     p: dict[str, Policy] = {
         "dlite": lambda a: a.dlite,
         "ngram": lambda a: a.ngram,
@@ -215,6 +256,9 @@ def policies() -> dict[str, Policy]:
     p["dlite-hybrid: suffix if score > dlite's expected"] = hybrid
     for f in (0.5, 0.75, 1.5):
         p[f"  the same with {f:g} x dlite's expected"] = lambda a, f=f: hybrid(a, f)
+    for f in (1.0, 1.5, 2.0):
+        p[f"dlite-hybrid, and the tree before drafting if score > {f:g} x dlite's running expected"] = (
+            HybridBeforeDrafting(k, f))
     for t in (0.05, 0.3):
         p[f"dlite cut at head probability {t:g}"] = lambda a, t=t: confident(a, t)
     return p
@@ -223,12 +267,13 @@ def policies() -> dict[str, Policy]:
 def evaluate(trace: dict, k: Optional[int] = None) -> dict:
     k = k or trace["K"]
     report = {}
-    for name, policy in policies().items():
+    for name in policies(k):
         rows = {}
         for lo, hi, label in ((0, 1 << 30, "overall"), *BUCKETS):
             reqs = [r for r in trace["requests"] if lo <= r["prompt_tokens"] < hi]
             if not reqs:
                 continue
+            policy = policies(k)[name]  # a fresh one: some keep state across a bucket's requests
             steps = drafted = acc = emitted = out = 0
             for r in reqs:
                 s, d, a, e = replay([Anchor(**x) for x in r["anchors"]], len(r["output"]), policy, k)
@@ -238,6 +283,8 @@ def evaluate(trace: dict, k: Optional[int] = None) -> dict:
                            "tau_emitted": round(1 + emitted / drafted, 3) if drafted else None,
                            "tokens_per_step": round(out / steps, 3) if steps else None,
                            "draft_rounds": drafted, "steps": steps, "requests": len(reqs)}
+            if isinstance(policy, HybridBeforeDrafting):
+                rows[label]["rounds_without_dlite"] = policy.skipped
         report[name] = rows
     return report
 
@@ -323,6 +370,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         by = "  ".join(f"{rows[l]['tau'] or 0:6.2f}/{rows[l]['tokens_per_step']:6.2f}" if l in rows else f"{'-':>13s}"
                        for l in labels)
         print(f"{name:62s} {o['tau'] or 0:6.2f} {o['tau_emitted'] or 0:7.2f} {o['tokens_per_step']:8.2f}  {by}")
+    for name, rows in report["policies"].items():
+        if "rounds_without_dlite" in rows["overall"]:
+            o = rows["overall"]
+            print(f"{name}: decided before drafting (no DLite draft) in {o['rounds_without_dlite']} of {o['steps']} rounds")
     if args.costs:
         print(f"\ndecode tokens/s, one request at a time, step,token,draft = {args.costs} ms:")
         for name, r in report["decode_at_costs"].items():

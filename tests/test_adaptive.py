@@ -243,7 +243,8 @@ def test_hybrid_source_choice():
     assert choose_source(2, 0.6, None) == "suffix"  # DLite did not draft this round
     assert expected_from_confidence([0.5, 0.5]) == pytest.approx(0.75)
 
-    ctl = AdaptiveController(AdaptiveOptions.from_dict("hybrid", {"cost_model": FREE, "probe_every": 0}), K,
+    ctl = AdaptiveController(AdaptiveOptions.from_dict("hybrid", {"cost_model": FREE, "probe_every": 0,
+                                                                  "suffix_skip_factor": 0.0}), K,
                              clock=lambda: 0.0)
     match = Match([5, 6, 7, 8], [0.9, 0.8, 0.7, 0.6], 3.0)
     plan = ctl.plan(["rep", "new"], K, [match, None])
@@ -251,6 +252,30 @@ def test_hybrid_source_choice():
     unsure, sure = [0.3] * K, [0.99] * K  # DLite expects ~0.43 / ~6.7 accepted tokens
     assert ctl.select(plan, ["rep", "new"], K, {0: unsure, 1: unsure}) == ([4, K], ["suffix", "dlite"])
     assert ctl.select(plan, ["rep", "new"], K, {0: sure, 1: sure}) == ([K, K], ["dlite", "dlite"])
+
+
+def test_hybrid_leaves_rows_to_the_tree_before_drafting():
+    """A row whose tree score beats suffix_skip_factor x DLite's running expected accepted drafts
+    takes the tree's draft without DLite drafting it; when every row does, DLite does not run and
+    its on/off verdict stays as it was."""
+    ctl = AdaptiveController(AdaptiveOptions.from_dict("hybrid", {"cost_model": FREE, "probe_every": 0}), K,
+                             clock=lambda: 0.0)
+    expected = sum(ctl.acceptance.cumulative("rep", "dlite")[:K])  # the prior's, ~1.4 at 0.6 per position
+    strong = Match([5, 6, 7, 8], [0.9, 0.8, 0.7, 0.6], 1.6 * expected)
+    weak = Match([5, 6], [0.9, 0.8], 1.4 * expected)
+    plan = ctl.plan(["rep", "new"], K, [strong, weak])
+    assert plan.phase == "decide" and plan.dlite_rows == [1] and set(plan.suffix) == {0, 1}
+    lengths, sources = ctl.select(plan, ["rep", "new"], K, {1: [0.99] * K})
+    assert sources == ["suffix", "dlite"] and lengths == [4, K]
+    plan = ctl.plan(["rep", "new"], K, [strong, strong])
+    assert plan.dlite_rows == [] and ctl.speculating
+    assert ctl.select(plan, ["rep", "new"], K, {}) == ([4, 4], ["suffix", "suffix"])
+    # the tree's drafts do not move DLite's running acceptance: the same rows skip again
+    ctl.end_round(["rep", "new"], ["suffix", "suffix"], [4, 4], plan.phase, 0, None)
+    ctl.begin_round(["rep", "new"], [4, 4], [5, 5], [0, 0])
+    assert ctl.plan(["rep", "new"], K, [strong, strong]).dlite_rows == []
+    with pytest.raises(ValueError, match="suffix_skip_factor"):
+        AdaptiveOptions.from_dict("hybrid", {"suffix_skip_factor": -1})
 
 
 def _round(ctl, req_ids, confidence, k=K, suffix=None):
@@ -450,12 +475,13 @@ def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(m
 def test_hybrid_uses_the_suffix_tree_on_repetitive_context_and_dlite_otherwise(models):
     """A prompt repeating one token (the tiny target keeps repeating it) is drafted by the suffix
     tree, whose score beats the random drafter's unsure head; a prompt without repeats has no match
-    at first and is drafted by DLite (free drafting: DLite drafts every row)."""
+    at first and is drafted by DLite (free drafting, and ``suffix_skip_factor`` 0: DLite drafts
+    every row, and the choice is made on its head probabilities)."""
     prompts = [{"prompt_token_ids": REPETITIVE}, {"prompt_token_ids": PLAIN}]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     base = H.run_llm(models.target, prompts, params, max_num_seqs=2)
     run, stats, decisions = _run_job(models.target, prompts, params, spec(
-        "dlite-hybrid", models.drafter, cost_model=FREE), record_plans=True)
+        "dlite-hybrid", models.drafter, cost_model=FREE, suffix_skip_factor=0.0), record_plans=True)
     assert run.token_ids == base.token_ids
     rep, new = (stats["requests"][r] for r in decisions[0][0])
     assert rep["suffix"]["rounds"] > 0 and rep["suffix"]["accepted"] > 0, stats["requests"]

@@ -18,7 +18,11 @@ Two speculative methods on top of ``"dlite"`` (Model Runner V1 only; see :func:`
   with its tool output and its output so far, plus earlier requests' outputs). Both draft; the
   request proposes the suffix tree's draft when its score (the tree's estimate of accepted drafts)
   beats DLite's own (the sum of the cumulative head probabilities), else DLite's
-  (:func:`~vllm_dlite.vllm.adaptive_cost.choose_source`). Per-request counters record which source
+  (:func:`~vllm_dlite.vllm.adaptive_cost.choose_source`). Before drafting, a request whose tree
+  score already beats ``suffix_skip_factor`` x DLite's expected accepted drafts from its running
+  acceptance takes the tree's draft without DLite drafting for it, and when every request of the
+  batch does, the drafter does not run (``benchmarks/draft_sources.py`` replays the factor's effect
+  on tau and on the rounds without a drafter). Per-request counters record which source
   proposed every accepted token (:meth:`AdaptiveController.stats`, :func:`collect_stats`, and one
   log line per finished request at DEBUG, a summary at INFO every ``log_every`` finished requests).
 
@@ -133,6 +137,8 @@ class AdaptiveOptions:
     suffix_max_spec_factor: float = 1.0  # draft at most this x the match length
     suffix_min_token_prob: float = 0.1  # stop the draft where the tree's path probability falls below
     suffix_max_cached_requests: int = 10000  # finished requests whose outputs stay in the tree (-1: all)
+    suffix_skip_factor: float = 1.5  # hybrid: a row whose tree score beats this x DLite's running expected
+    # accepted drafts takes the tree's draft without DLite drafting it (0: DLite always drafts)
     adaptive_length: bool = True  # hybrid: also choose lengths by the cost model (else full drafts)
     log_every: int = 100  # INFO summary every this many finished requests (0: never)
     cost_model: Optional[dict] = None  # fixed costs in seconds instead of the fit (COST_KEYS)
@@ -175,6 +181,8 @@ class AdaptiveOptions:
             bad("prior_strength", "must be > 0")
         if not isinstance(self.suffix_max_tree_depth, int) or self.suffix_max_tree_depth < 1:
             bad("suffix_max_tree_depth", "must be an integer >= 1")
+        if self.suffix_skip_factor < 0:
+            bad("suffix_skip_factor", "must be >= 0 (0: DLite drafts every row)")
         if self.suffix_max_spec_factor <= 0:
             bad("suffix_max_spec_factor", "must be > 0")
         if not 0.0 <= self.suffix_min_token_prob <= 1.0:
@@ -414,11 +422,17 @@ class AdaptiveController:
             return Plan(list(range(n)), matches, phase)
         # would DLite pay for the drafter at all? (running acceptance only: no confidence yet)
         p = [self.acceptance.cumulative(r, "dlite")[:k] for r in req_ids]
-        choice = choose_lengths(p, [k] * n, self.cost, n, self.options.min_gain, with_draft=True)
+        # hybrid: rows whose tree draft already beats what DLite is expected to get are left to the tree
+        f = self.options.suffix_skip_factor
+        rows = [i for i in range(n) if not (f and i in matches and matches[i].score > f * sum(p[i]))]
+        if not rows:  # every row goes to the tree: no drafter, and no verdict on DLite
+            return Plan([], matches, phase)
+        choice = choose_lengths([p[i] for i in rows], [k] * len(rows), self.cost, n, self.options.min_gain,
+                                with_draft=True)
         if choice.speculate != self.speculating:  # a flip: probe again soon (see _phase)
             self._probe_interval = self.options.probe_every
         self.speculating = choice.speculate
-        return Plan(list(range(n)) if choice.speculate else [], matches, phase)
+        return Plan(rows if choice.speculate else [], matches, phase)
 
     # ---------------------------------------------------------------- after drafting
     def select(self, plan: Plan, req_ids: Sequence[str], k: int,
