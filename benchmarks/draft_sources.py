@@ -53,7 +53,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_dlite.vllm.adaptive_cost import choose_source, expected_from_confidence  # noqa: E402
+from vllm_dlite.vllm.adaptive_cost import (  # noqa: E402
+    choose_source, expected_from_confidence, tree_before_drafting)
 
 BUCKETS = ((0, 2048, "0-2k"), (2048, 8192, "2k-8k"), (8192, 1 << 30, "8k-32k"))
 
@@ -216,8 +217,8 @@ class HybridBeforeDrafting:
         self.request += 1
 
     def __call__(self, a: Anchor) -> list[int]:
-        expected = sum(self.stats.cumulative(str(self.request), "dlite")[: self.k])
-        if a.suffix and a.suffix_score > self.factor * expected:
+        running = self.stats.cumulative(str(self.request), "dlite")[: self.k]
+        if tree_before_drafting(a.suffix_score if a.suffix else None, running, self.factor):
             self.skipped += 1
             self.source = "suffix"
             return a.suffix

@@ -105,6 +105,7 @@ from vllm_dlite.vllm.adaptive_cost import (
     choose_lengths,
     choose_source,
     expected_from_confidence,
+    tree_before_drafting,
 )
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
@@ -423,8 +424,8 @@ class AdaptiveController:
         # would DLite pay for the drafter at all? (running acceptance only: no confidence yet)
         p = [self.acceptance.cumulative(r, "dlite")[:k] for r in req_ids]
         # hybrid: rows whose tree draft already beats what DLite is expected to get are left to the tree
-        f = self.options.suffix_skip_factor
-        rows = [i for i in range(n) if not (f and i in matches and matches[i].score > f * sum(p[i]))]
+        rows = [i for i in range(n) if not tree_before_drafting(
+            matches[i].score if i in matches else None, p[i], self.options.suffix_skip_factor)]
         if not rows:  # every row goes to the tree: no drafter, and no verdict on DLite
             return Plan([], matches, phase)
         choice = choose_lengths([p[i] for i in rows], [k] * len(rows), self.cost, n, self.options.min_gain,

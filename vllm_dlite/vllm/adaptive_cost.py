@@ -366,7 +366,15 @@ def choose_source(suffix_len: int, suffix_score: float, dlite_expected: Optional
     return "suffix" if dlite_expected is None or suffix_score > dlite_expected else "dlite"
 
 
+def tree_before_drafting(suffix_score: Optional[float], running_p: Sequence[float], factor: float) -> bool:
+    """Hybrid, before DLite drafts: the suffix tree's draft (``suffix_score``; None: no match) is
+    taken without DLite drafting when its score beats ``factor`` x DLite's expected accepted drafts
+    from the request's running acceptance (``running_p``: its cumulative acceptance per position).
+    ``factor`` 0: never (DLite always drafts)."""
+    return bool(factor) and suffix_score is not None and suffix_score > factor * sum(running_p)
+
+
 __all__ = [
     "COST_KEYS", "SOURCES", "AcceptanceStats", "Choice", "ConfidenceCalibration", "CostModel",
-    "choose_lengths", "choose_source", "expected_from_confidence",
+    "choose_lengths", "choose_source", "expected_from_confidence", "tree_before_drafting",
 ]
