@@ -276,6 +276,8 @@ def test_hybrid_leaves_rows_to_the_tree_before_drafting():
     assert ctl.plan(["rep", "new"], K, [strong, strong]).dlite_rows == []
     with pytest.raises(ValueError, match="suffix_skip_factor"):
         AdaptiveOptions.from_dict("hybrid", {"suffix_skip_factor": -1})
+    with pytest.raises(ValueError, match="suffix_skip_factor = '2': must be a number"):
+        AdaptiveOptions.from_dict("hybrid", {"suffix_skip_factor": "2"})
 
 
 def _round(ctl, req_ids, confidence, k=K, suffix=None):

@@ -164,6 +164,10 @@ class AdaptiveOptions:
         def bad(name, why):
             raise ValueError(f"{OPTIONS_KEY}.{name} = {getattr(self, name)!r}: {why}")
 
+        for f in fields(self):  # numbers first: the range checks below compare them
+            value = getattr(self, f.name)
+            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                bad(f.name, "must be a number")
         if not isinstance(self.calibration_bins, int) or self.calibration_bins < 1:
             bad("calibration_bins", "must be an integer >= 1")
         if self.min_gain < 0:
