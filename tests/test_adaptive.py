@@ -457,13 +457,34 @@ def test_greedy_identical_to_no_speculation(models, prompts, greedy, baseline, m
 
 
 @pytest.mark.slow
-def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(models, prompts, greedy, baseline):
+def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(models, prompts, greedy, baseline,
+                                                                              monkeypatch):
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from vllm_dlite.vllm.proposer_v1 import DLiteProposer
+
+    calls = {"propose": 0, "verify nothing": 0}
+    propose, verify = DLiteProposer.propose, RejectionSampler.forward
+
+    def counted_propose(self, *a, **kw):
+        calls["propose"] += 1
+        return propose(self, *a, **kw)
+
+    def counted_verify(self, metadata, *a, **kw):
+        calls["verify nothing"] += metadata.max_spec_len == 0
+        return verify(self, metadata, *a, **kw)
+
+    monkeypatch.setattr(DLiteProposer, "propose", counted_propose)
+    monkeypatch.setattr(RejectionSampler, "forward", counted_verify)
     sub = prompts[:8]
     run, stats, _ = _run_job(models.target, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
                                                              cost_model=EXPENSIVE, probe_every=0))
     assert run.token_ids == baseline.token_ids[:8]
     assert run.metrics.get("vllm:spec_decode_num_drafts", 0) == 0
     assert stats["rounds"] > 0 and stats["totals"]["dlite"]["proposed"] == 0
+    # rounds in which nobody drafts end before vLLM prepares the drafter (propose never runs), and
+    # steps with nothing to verify are sampled as without speculation (no rejection sampler)
+    assert calls == {"propose": 0, "verify nothing": 0}
 
     run, stats, _ = _run_job(models.target, sub, greedy, spec("dlite-adaptive", models.copy_drafter,
                                                              cost_model=FREE))
@@ -471,6 +492,7 @@ def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(m
     m = run.metrics
     assert m["vllm:spec_decode_num_drafts"] > 0
     assert m["vllm:spec_decode_num_draft_tokens"] == m["vllm:spec_decode_num_drafts"] * K
+    assert calls["propose"] > 0
 
 
 @pytest.mark.slow

@@ -29,6 +29,9 @@ symbol                                                         use
 ``v1.sample.rejection_sampler.apply_sampling_constraints``     wrapped on CPU (vLLM bug)
 ``v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens``    wrapped per CPU runner (vLLM bug)
 ``v1.worker.gpu_input_batch.InputBatch``                        read: ``num_prompt_tokens``, ``req_id_to_index`` (hybrid, as vLLM's suffix method)
+``v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids``  wrapped: rounds nobody drafts (adaptive)
+``v1.worker.gpu_model_runner.GPUModelRunner._sample``           wrapped: steps without drafts (adaptive)
+``v1.spec_decode.metadata.SpecDecodeMetadata``                  read: ``num_draft_tokens``, ``max_spec_len``
 ``v1.worker.gpu_model_runner.GPUModelRunner._get_draft_token_ids_cpu``  relied on: passes list drafts
 ``v1.worker.gpu_model_runner.GPUModelRunner._copy_draft_token_ids_to_cpu`` relied on: ditto
 ``v1.worker.gpu_input_batch.InputBatch.update_req_spec_token_ids`` read: ``spec_token_ids`` (adaptive)
@@ -90,6 +93,12 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[str, ...]]], ...] = (
      ("logits", "cu_num_draft_tokens", "sampling_metadata")),
     ("v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
     # dlite-adaptive / dlite-hybrid (vllm_dlite.vllm.adaptive, proposer_v1)
+    ("v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids",
+     ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+      "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
+      "slot_mappings")),
+    ("v1.worker.gpu_model_runner", "GPUModelRunner._sample", ("self", "logits", "spec_decode_metadata")),
+    ("v1.spec_decode.metadata", "SpecDecodeMetadata", None),
     ("v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", ("self",)),
     ("v1.worker.gpu_model_runner", "GPUModelRunner._copy_draft_token_ids_to_cpu",
      ("self", "scheduler_output", "zeros_only")),

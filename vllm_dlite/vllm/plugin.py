@@ -27,7 +27,9 @@ configs. It is idempotent and does five things:
 
    * Model Runner V1 (CPU, and GPUs without V2): after ``GPUModelRunner.__init__`` (which
      ``CPUModelRunner`` calls), ``self.drafter`` is replaced by
-     :class:`vllm_dlite.vllm.proposer_v1.DLiteProposer` when the draft architecture is DLite.
+     :class:`vllm_dlite.vllm.proposer_v1.DLiteProposer` when the draft architecture is DLite;
+     for ``dlite-adaptive`` / ``dlite-hybrid``, ``propose_draft_token_ids`` and ``_sample`` let a
+     round in which nobody drafts skip vLLM's drafting preparation and its rejection sampler.
    * Model Runner V2 (GPU default): ``vllm.v1.worker.gpu.model_runner.init_speculator`` (bound by
      name at import) is wrapped to return
      :class:`vllm_dlite.vllm.speculator_v2.DLiteSpeculator` for a DLite draft.
@@ -380,6 +382,52 @@ def _hook_v1_runner(module) -> None:
 
     setattr(__init__, _WRAPPED, True)
     cls.__init__ = __init__
+    _hook_v1_rounds_without_drafts(cls)
+
+
+def _hook_v1_rounds_without_drafts(cls) -> None:
+    """dlite-adaptive / dlite-hybrid on Model Runner V1: a round in which nobody drafts costs what
+    a step without speculation costs, as far as vLLM's runner allows.
+
+    * ``propose_draft_token_ids``: before vLLM prepares the drafter's inputs (next tokens, padded
+      metadata, the aux hidden states of every scheduled token), the proposer's controller learns
+      from the verify step and plans the round
+      (:meth:`~vllm_dlite.vllm.proposer_v1.DLiteProposer.before_drafting`); when no request drafts,
+      the round ends there with empty drafts.
+    * ``_sample``: a step in which no request carries drafts is sampled by vLLM's sampler, as
+      without speculation, instead of the rejection sampler with nothing to verify.
+
+    Other drafters, and plain ``"dlite"``, go straight to vLLM's methods."""
+    propose_all, sample = cls.propose_draft_token_ids, cls._sample
+    if getattr(propose_all, _WRAPPED, False):
+        return
+
+    def controller(runner):
+        return getattr(getattr(runner, "drafter", None), "controller", None)
+
+    @functools.wraps(propose_all)
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                                common_attn_metadata, slot_mappings):
+        if controller(self) is not None:
+            drafts = self.drafter.before_drafting(scheduler_output, sampled_token_ids, spec_decode_metadata,
+                                                  common_attn_metadata)
+            if drafts is not None:
+                return drafts
+        return propose_all(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                           sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                           slot_mappings)
+
+    @functools.wraps(sample)
+    def _sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0 \
+                and controller(self) is not None:
+            spec_decode_metadata = None  # nothing to verify: logits hold one row per request
+        return sample(self, logits, spec_decode_metadata)
+
+    for wrapper in (propose_draft_token_ids, _sample):
+        setattr(wrapper, _WRAPPED, True)
+    cls.propose_draft_token_ids, cls._sample = propose_draft_token_ids, _sample
 
 
 def _wrap_init_speculator(original: Callable) -> Callable:

@@ -21,7 +21,9 @@ replaces what touches the draft model:
   sampled requests: then sampled rows draw from ``softmax(logits / T_request)`` and
   ``take_last_draft_probs`` returns those probabilities for lossless rejection sampling.
 
-``dlite-adaptive`` / ``dlite-hybrid`` (:mod:`vllm_dlite.vllm.adaptive`): the proposer then returns a
+``dlite-adaptive`` / ``dlite-hybrid`` (:mod:`vllm_dlite.vllm.adaptive`): each round begins in
+:meth:`DLiteProposer.before_drafting`, which the plugin's runner hook calls before vLLM prepares the
+drafter's inputs (a round in which nobody drafts ends there); the proposer returns a
 ``list[list[int]]`` of per-request drafts of 0..k tokens (vLLM's runner hands a list to the
 scheduler as is; async scheduling, which needs a tensor, is refused at start-up), decided by an
 :class:`~vllm_dlite.vllm.adaptive.AdaptiveController` from the measured cost model, the
@@ -76,6 +78,7 @@ class DLiteProposer(DFlashProposer):
                      vllm_config.parallel_config.tensor_parallel_size)
         self.controller: Optional[AdaptiveController] = None
         self.suffix: Optional[SuffixSource] = None
+        self._round = None  # (started, req_ids, plan or None): the round before_drafting began
         if options is not None:
             self.controller = AdaptiveController(options, self.dlite_config.num_draft_tokens)
             if options.mode == "hybrid":
@@ -194,7 +197,6 @@ class DLiteProposer(DFlashProposer):
         num_rejected_tokens_gpu: Optional[torch.Tensor] = None,
         slot_mappings=None,
     ) -> torch.Tensor | list[list[int]]:
-        started = time.perf_counter()
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
@@ -206,8 +208,8 @@ class DLiteProposer(DFlashProposer):
         temperatures = self._temperatures(sampling_metadata)
         if self.controller is not None:
             return self._propose_adaptive(
-                num_speculative_tokens, started, rows, anchors, target_token_ids, target_hidden_states,
-                temperatures, target_positions, common_attn_metadata, num_rejected_tokens_gpu,
+                num_speculative_tokens, rows, anchors, target_token_ids, target_hidden_states,
+                temperatures, target_positions, common_attn_metadata,
             )
         features = target_hidden_states[rows]  # [B, L*H]
         group_ids, group_lens = self.group_tokens(
@@ -244,24 +246,55 @@ class DLiteProposer(DFlashProposer):
             out.append(self.suffix.draft(req_id, context, int(batch.num_prompt_tokens[i]), k))
         return out
 
-    def _propose_adaptive(self, k, started, rows, anchors, target_token_ids, target_hidden_states, temperatures,
-                          target_positions, common_attn_metadata, num_rejected_tokens_gpu) -> list[list[int]]:
-        """Per-request drafts of 0..k tokens. The drafter's inputs (features, anchor groups) are
-        gathered only when the plan drafts: a round that proposes nothing costs only the decision."""
+    def before_drafting(self, scheduler_output, sampled_token_ids: torch.Tensor, spec_decode_metadata,
+                        common_attn_metadata) -> Optional[list[list[int]]]:
+        """dlite-adaptive / dlite-hybrid: the round's start, before vLLM prepares the drafter's inputs
+        (called by the runner hook, :func:`vllm_dlite.vllm.plugin._hook_v1_rounds_without_drafts`).
+
+        The controller learns from the verify step that just ran (per request: drafts verified, from
+        ``spec_decode_metadata``; rejected, from ``sampled_token_ids [B, max_spec_len + 1]``, which
+        holds the accepted drafts and one more token, then -1) and, in adaptive mode, plans the
+        round. Returns the round's drafts when nobody drafts (all empty: the round ends here, and
+        costs no drafter and none of vLLM's preparation for it), else None (vLLM prepares, then
+        :meth:`propose`). Hybrid rounds always go on: the suffix drafts need vLLM's next tokens."""
+        started = time.perf_counter()
         ctl = self.controller
         batch = self.runner.input_batch
-        B = rows.shape[0]
+        B = batch.num_reqs
         req_ids = list(batch.req_ids[:B])
         qsl = common_attn_metadata.query_start_loc_cpu[: B + 1].tolist()
         query_lens = [qsl[i + 1] - qsl[i] for i in range(B)]
-        scheduled = [len(batch.spec_token_ids[i]) for i in range(B)]
-        rejected = None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:B].tolist()
+        rejected = None
+        scheduled = [0] * B
+        if spec_decode_metadata is not None:
+            scheduled = list(spec_decode_metadata.num_draft_tokens[:B])
+            valid = (sampled_token_ids[:B] != -1).sum(dim=1).tolist() if any(scheduled) else scheduled
+            rejected = [d + 1 - v if d > 0 else 0 for d, v in zip(scheduled, valid)]
         ctl.begin_round(req_ids, scheduled, query_lens, rejected, live_req_ids=self.runner.requests,
                         now=started)
+        plan = None
+        if self.suffix is None:
+            plan = ctl.plan(req_ids, scheduler_output.num_spec_tokens_to_schedule)
+            if not plan.dlite_rows:
+                ctl.end_round(req_ids, [None] * B, [0] * B, plan.phase, 0, None)
+                return [[] for _ in range(B)]
+        self._round = (started, req_ids, plan)
+        return None
 
-        suffix = (self._suffix_drafts(k, req_ids, rows, anchors, target_positions)
-                  if self.suffix is not None else None)
-        plan = ctl.plan(req_ids, k, suffix)
+    def _propose_adaptive(self, k, rows, anchors, target_token_ids, target_hidden_states, temperatures,
+                          target_positions, common_attn_metadata) -> list[list[int]]:
+        """Per-request drafts of 0..k tokens, for a round that :meth:`before_drafting` began. The
+        drafter's inputs (features, anchor groups) are gathered only for the rows that draft."""
+        if self._round is None:
+            raise RuntimeError("DLite adaptive drafting: propose() was called without before_drafting(); the "
+                               "Model Runner V1 hook of vllm_dlite.vllm.plugin is not installed")
+        (started, req_ids, plan), self._round = self._round, None
+        ctl = self.controller
+        B = rows.shape[0]
+        suffix = None
+        if plan is None:  # hybrid: the suffix tree drafts first, the plan weighs its drafts
+            suffix = self._suffix_drafts(k, req_ids, rows, anchors, target_positions)
+            plan = ctl.plan(req_ids, k, suffix)
         confidence: dict[int, list[float]] = {}
         dlite_ids: dict[int, list[int]] = {}
         probs = None
