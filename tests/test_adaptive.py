@@ -368,6 +368,27 @@ def test_controller_explores_then_probes_and_learns():
     assert "dlite" in ctl.summary_line()
 
 
+def test_explore_and_probe_rounds_draft_for_a_share_of_the_batch_in_turn():
+    """What explore-on and probe-on rounds measure (the cost of verified drafts, the acceptance of
+    the head's unsure tokens) needs drafts, not a whole batch of them: a quarter of the batch by
+    default, at least one request, a different share each time."""
+    req_ids = [f"r{i}" for i in range(8)]
+    ctl = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"explore_rounds": 6}), K)
+    drafted = []
+    for _ in range(6):
+        plan, lengths = _round(ctl, req_ids, [0.9] * K)
+        if plan.phase == "explore-on":
+            assert len(plan.dlite_rows) == 2 and lengths == [K if i in plan.dlite_rows else 0 for i in range(8)]
+            drafted.append(tuple(plan.dlite_rows))
+    assert len(drafted) == 3 and len(set(drafted)) == 3  # in turn
+    one = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"explore_rounds": 2}), K)
+    assert [len(_round(one, ["a"], [0.9] * K)[0].dlite_rows) for _ in range(2)] == [0, 1]
+    everyone = AdaptiveController(AdaptiveOptions.from_dict("adaptive", {"explore_share": 1.0}), K)
+    assert [len(_round(everyone, req_ids, [0.9] * K)[0].dlite_rows) for _ in range(2)] == [0, 8]
+    with pytest.raises(ValueError, match="explore_share"):
+        AdaptiveOptions.from_dict("adaptive", {"explore_share": 0})
+
+
 # =========================================================================== engine (slow)
 vllm = pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402

@@ -45,19 +45,22 @@ One speculative cycle is a target step that verifies ``N`` tokens for ``B`` requ
 round. :class:`~vllm_dlite.vllm.adaptive_cost.CostModel` measures
 
 * ``step(B, N, A) = level + c_req * B + c_tok * (N - B) + c_acc * A``: the wall time from the end
-  of one ``propose`` to the start of the next (scheduling, input preparation, the target forward,
+  of one round to the start of the next (scheduling, input preparation, the target forward,
   rejection sampling, output processing), from steps in which every request was decoding
   (``N - B`` = drafts verified, ``A`` = drafts accepted: each is one more token to emit, a cost
   every method pays per output token, which would otherwise be charged to the verified drafts).
   The level drifts (the base step grows with the context), so the slopes are fitted on
   differences of consecutive steps, where it cancels, and the level follows the latest steps
   (one least-squares fit over the window charged the drift to the drafts);
-* ``draft(B) = d0 + d1 * B``: the wall time of the drafting itself (``propose``'s own body).
+* ``draft(B) = d0 + d1 * B``: the wall time of a round that drafts, from the round's start
+  (:meth:`~vllm_dlite.vllm.proposer_v1.DLiteProposer.before_drafting`, before vLLM prepares the
+  drafter's inputs) to the end of ``propose``: vLLM's preparation is part of the drafting cost.
 
 It is identified by its own traffic: the first ``explore_rounds`` rounds alternate "propose
-nothing" and "propose whole drafts", and afterwards a round does the opposite of the current
-decision after ``probe_every`` rounds (a probe, so that neither the cost model nor the acceptance
-means go stale); the interval doubles while probes confirm the decision (up to 16x) and resets
+nothing" and "propose whole drafts" (for ``explore_share`` of the batch, at least one request, in
+turn: at concurrency 16 a round of whole drafts for every request costs several steps), and
+afterwards a round does the opposite of the current decision after ``probe_every`` rounds (a
+probe, so that neither the cost model nor the acceptance means go stale); the interval doubles while probes confirm the decision (up to 16x) and resets
 when the decision flips, so a steady "off" costs less than 1/(16 probe_every) of a draft round.
 ``cost_model`` in the options replaces the fit by fixed numbers (tests, experiments).
 
@@ -90,6 +93,7 @@ probabilities (exact for a deterministic proposal).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Optional, Sequence
@@ -125,6 +129,8 @@ class AdaptiveOptions:
     calibration_bins: int = 10  # head probabilities calibrated per bin of [0, 1]
     min_gain: float = 0.02  # speculate only when the predicted rate beats no speculation by this
     explore_rounds: int = 6  # first rounds: alternate "nothing" / "whole drafts"
+    explore_share: float = 0.25  # explore-on and probe-on rounds draft for this share of the batch
+    # (at least one request, in turn): what they measure needs drafts, not a whole batch of them
     probe_every: int = 32  # a round does the opposite of the decision after this many (doubling while
     # the probes confirm it, up to 16x; 0: never)
     window: int = 64  # cost-model observations kept
@@ -175,6 +181,8 @@ class AdaptiveOptions:
         for name in ("explore_rounds", "probe_every", "log_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
+        if not 0.0 < self.explore_share <= 1.0:
+            bad("explore_share", "must be in (0, 1]")
         if not isinstance(self.window, int) or self.window < 4:
             bad("window", "must be an integer >= 4")
         for name in ("cost_decay", "request_decay", "global_decay"):
@@ -342,6 +350,7 @@ class AdaptiveController:
         self.round = 0
         self.speculating = True  # the last decision
         self._last_probe = 0
+        self._explored = 0  # rows drafted by explore-on / probe-on rounds (whose turn is next)
         self._probe_interval = options.probe_every
         self._last_end: Optional[float] = None
         self._observed_round = -2  # the last round whose verify step the cost model saw
@@ -423,8 +432,12 @@ class AdaptiveController:
         matches = {i: Match(m.tokens[:k], m.probs[:k], m.score) for i, m in enumerate(suffix or []) if m}
         if phase in ("explore-off", "probe-off"):
             return Plan([], {}, phase)
-        if phase != "decide":
+        if phase == "fixed":
             return Plan(list(range(n)), matches, phase)
+        if phase != "decide":  # explore-on / probe-on: whole drafts for a share of the batch, in turn
+            m = max(1, math.ceil(self.options.explore_share * n))
+            first, self._explored = self._explored % max(n, 1), self._explored + m
+            return Plan(sorted((first + j) % n for j in range(min(m, n))), matches, phase)
         # would DLite pay for the drafter at all? (running acceptance only: no confidence yet)
         p = [self.acceptance.cumulative(r, "dlite")[:k] for r in req_ids]
         # hybrid: rows whose tree draft already beats what DLite is expected to get are left to the tree
