@@ -79,11 +79,13 @@ time is spent either way, so the lengths then maximise the round's rate with it 
 Not the default: ``"dlite"`` stays fixed-k. The adaptive methods need Model Runner V1 without async
 scheduling and without tensor parallelism (per-request lists, per-rank timed decisions), while
 vLLM's GPU default is V2 with async scheduling; their online cost model spends its first rounds
-exploring, which short runs notice; and even with drafting turned off a speculative engine pays
-vLLM's own per-step overhead (aux hidden states, padded-batch preparation, the proposer call: on
-held-out code turns of the tiny CPU target, drafting in 6% of rounds, 0.84-0.93x of no
-speculation), so "never costs" means "costs at most that floor"; on agentic turns it has not yet
-beaten fixed k at low concurrency (``benchmarks/results/README.md``).
+exploring, which short runs notice; and a speculative engine that does not draft still pays part of
+vLLM's per-step work for speculation (spec-decode metadata every step, the target's aux hidden
+states). A round in which nobody drafts skips the rest: vLLM's drafting preparation and the
+rejection sampler (:func:`vllm_dlite.vllm.plugin._hook_v1_rounds_without_drafts`). On held-out
+code turns of the tiny CPU target, where drafting does not pay, that leaves 0.90-0.99x of no
+speculation at concurrency 1 and 0.94-1.05x at 4 and 16 over two runs
+(``benchmarks/results/README.md``, run 4), so "never costs" means "costs at most that floor".
 
 Lossless: the proposer only shortens (or sources) drafts; vLLM's rejection sampler verifies them
 as always. With ``draft_sample_method: "probabilistic"`` the suffix rows carry one-hot draft
