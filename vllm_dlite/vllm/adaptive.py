@@ -84,7 +84,7 @@ vLLM's per-step work for speculation (spec-decode metadata every step, the targe
 states). A round in which nobody drafts skips the rest: vLLM's drafting preparation and the
 rejection sampler (:func:`vllm_dlite.vllm.plugin._hook_v1_rounds_without_drafts`). On held-out
 code turns of the tiny CPU target, where drafting does not pay, that leaves 0.90-0.99x of no
-speculation at concurrency 1 and 0.94-1.05x at 4 and 16 over two runs
+speculation at concurrency 1 and 0.87-1.05x at 4 and 16 over three runs on a noisy shared host
 (``benchmarks/results/README.md``, run 4), so "never costs" means "costs at most that floor".
 
 Lossless: the proposer only shortens (or sources) drafts; vLLM's rejection sampler verifies them
