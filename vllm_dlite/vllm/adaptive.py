@@ -60,8 +60,9 @@ It is identified by its own traffic: the first ``explore_rounds`` rounds alterna
 nothing" and "propose whole drafts" (for ``explore_share`` of the batch, at least one request, in
 turn: at concurrency 16 a round of whole drafts for every request costs several steps), and
 afterwards a round does the opposite of the current decision after ``probe_every`` rounds (a
-probe, so that neither the cost model nor the acceptance means go stale); the interval doubles while probes confirm the decision (up to 16x) and resets
-when the decision flips, so a steady "off" costs less than 1/(16 probe_every) of a draft round.
+probe, so that neither the cost model nor the acceptance means go stale); the interval doubles
+while probes confirm the decision (up to 16x) and resets when the decision flips, so a steady
+"off" costs less than 1/(16 probe_every) of a draft round.
 ``cost_model`` in the options replaces the fit by fixed numbers (tests, experiments).
 
 Decision: with ``p[i][j]`` the probability that request ``i`` accepts its first ``j+1`` drafts

@@ -34,7 +34,6 @@ symbol                                                         use
 ``v1.spec_decode.metadata.SpecDecodeMetadata``                  read: ``num_draft_tokens``, ``max_spec_len``
 ``v1.worker.gpu_model_runner.GPUModelRunner._get_draft_token_ids_cpu``  relied on: passes list drafts
 ``v1.worker.gpu_model_runner.GPUModelRunner._copy_draft_token_ids_to_cpu`` relied on: ditto
-``v1.worker.gpu_input_batch.InputBatch.update_req_spec_token_ids`` read: ``spec_token_ids`` (adaptive)
 ``v1.core.sched.scheduler.Scheduler.update_draft_token_ids``    relied on: per-request draft lengths
 ``v1.worker.worker_base.WorkerBase``                            method added: ``dlite_drafting_stats``
 ``v1.worker.worker_base.WorkerWrapperBase.__getattr__``         relied on: forwards that method
@@ -102,8 +101,6 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[str, ...]]], ...] = (
     ("v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", ("self",)),
     ("v1.worker.gpu_model_runner", "GPUModelRunner._copy_draft_token_ids_to_cpu",
      ("self", "scheduler_output", "zeros_only")),
-    ("v1.worker.gpu_input_batch", "InputBatch.update_req_spec_token_ids",
-     ("self", "request", "scheduled_spec_tokens")),
     ("v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", ("self", "draft_token_ids")),
     ("v1.worker.worker_base", "WorkerBase", None),
     ("v1.worker.worker_base", "WorkerWrapperBase.__getattr__", ("self", "attr")),

@@ -264,12 +264,12 @@ class DLiteProposer(DFlashProposer):
         req_ids = list(batch.req_ids[:B])
         qsl = common_attn_metadata.query_start_loc_cpu[: B + 1].tolist()
         query_lens = [qsl[i + 1] - qsl[i] for i in range(B)]
-        rejected = None
-        scheduled = [0] * B
+        scheduled, rejected = [0] * B, None
         if spec_decode_metadata is not None:
-            scheduled = list(spec_decode_metadata.num_draft_tokens[:B])
-            valid = (sampled_token_ids[:B] != -1).sum(dim=1).tolist() if any(scheduled) else scheduled
-            rejected = [d + 1 - v if d > 0 else 0 for d, v in zip(scheduled, valid)]
+            scheduled, rejected = list(spec_decode_metadata.num_draft_tokens[:B]), [0] * B
+            if any(scheduled):
+                valid = (sampled_token_ids[:B] != -1).sum(dim=1).tolist()  # accepted drafts + 1
+                rejected = [d + 1 - v if d > 0 else 0 for d, v in zip(scheduled, valid)]
         ctl.begin_round(req_ids, scheduled, query_lens, rejected, live_req_ids=self.runner.requests,
                         now=started)
         plan = None
@@ -291,10 +291,8 @@ class DLiteProposer(DFlashProposer):
         (started, req_ids, plan), self._round = self._round, None
         ctl = self.controller
         B = rows.shape[0]
-        suffix = None
         if plan is None:  # hybrid: the suffix tree drafts first, the plan weighs its drafts
-            suffix = self._suffix_drafts(k, req_ids, rows, anchors, target_positions)
-            plan = ctl.plan(req_ids, k, suffix)
+            plan = ctl.plan(req_ids, k, self._suffix_drafts(k, req_ids, rows, anchors, target_positions))
         confidence: dict[int, list[float]] = {}
         dlite_ids: dict[int, list[int]] = {}
         probs = None
