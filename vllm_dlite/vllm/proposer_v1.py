@@ -286,8 +286,10 @@ class DLiteProposer(DFlashProposer):
         """Per-request drafts of 0..k tokens, for a round that :meth:`before_drafting` began. The
         drafter's inputs (features, anchor groups) are gathered only for the rows that draft."""
         if self._round is None:
-            raise RuntimeError("DLite adaptive drafting: propose() was called without before_drafting(); the "
-                               "Model Runner V1 hook of vllm_dlite.vllm.plugin is not installed")
+            raise RuntimeError("DLite adaptive drafting: propose() was called without before_drafting(), so "
+                               "the Model Runner V1 hook of vllm_dlite.vllm.plugin is not installed: install "
+                               "vllm-dlite in the engine's environment (its vllm.general_plugins entry point "
+                               "registers it), or call vllm_dlite.vllm.plugin.register() before building the engine")
         (started, req_ids, plan), self._round = self._round, None
         ctl = self.controller
         B = rows.shape[0]
