@@ -39,7 +39,11 @@ Contract:
 * ``--max-prompt-tokens`` may go up to the target's context: max model len = max prompt tokens +
   max tokens + K + 8 must be <= the target's ``max_position_embeddings`` (on the tiny target,
   32,768: ``--max-prompt-tokens 30000`` gives 30,079), else the run stops before any engine starts;
-* at temperature 0 every method's outputs must equal ``none``'s (``identical_to_none``);
+* ``--repeats N`` measures every (method, concurrency) cell N times, methods interleaved (one pass
+  over all methods, then the next), each time in a fresh engine: tok/s, ITL and wall are the
+  medians, ``by_concurrency[c]["repeats"]`` keeps every run's values and ``results.md`` shows
+  ``median (min-max)``; tau, histograms and draft times are the first pass's;
+* at temperature 0 every method's outputs, in every pass, must equal ``none``'s (``identical_to_none``);
 * a method that cannot run here (no drafter checkpoint, missing package) is reported with the
   reason in ``results.json`` and the table, never silently dropped.
 
@@ -202,6 +206,26 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
     }
 
 
+def combine_repeats(runs: list[dict]) -> dict:
+    """One method's record from its ``--repeats`` passes: the first pass's record, with tok/s, ITL
+    and wall at each concurrency the median over the passes (every pass's values kept in
+    ``by_concurrency[c]["repeats"]``); a failed pass makes the method failed."""
+    first = runs[0]
+    failed = next((r for r in runs if r["status"] != "ok"), None)
+    if failed is not None or len(runs) == 1:
+        return failed or first
+    for c, cell in first["by_concurrency"].items():
+        values = {key: [r["by_concurrency"][c][key] for r in runs] for key in REPEATED_KEYS}
+        cell.update({key: statistics.median(v) for key, v in values.items()})
+        cell["repeats"] = values
+    lowest = first["by_concurrency"][str(min(map(int, first["by_concurrency"])))]
+    first.update({key: lowest[key] for key in REPEATED_KEYS})
+    first["_outputs"] = [r["_outputs"] for r in runs]
+    return first
+
+
+REPEATED_KEYS = ("output_tokens_per_s", "mean_itl_ms", "wall_s")
+
 SAME_RUN_KEYS = ("workload", "target", "k", "temperature", "max_tokens", "dtype", "seed", "concurrency",
                  "tensor_parallel_size", "num_requests", "prompt_tokens_min", "prompt_tokens_max", "max_model_len",
                  "device")
@@ -226,13 +250,22 @@ def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dic
             old["settings"])
 
 
+def tokens_per_s_cell(cell: dict) -> str:
+    """``median (min-max)`` over the repeats, or the one value."""
+    runs = cell.get("repeats", {}).get("output_tokens_per_s")
+    median = f"{cell['output_tokens_per_s']:.1f}"
+    return f"{median} ({min(runs):.1f}-{max(runs):.1f})" if runs and len(runs) > 1 else median
+
+
 def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[int]) -> None:
     lines = [f"# A/B: {Path(settings['workload']).name}", "",
              f"target `{settings['target']}`, K={settings['k']}, temperature {settings['temperature']}, "
              f"max {settings['max_tokens']} new tokens, dtype {settings['dtype']}, "
              f"{settings['num_requests']} requests ({settings['prompt_tokens_min']}-"
              f"{settings['prompt_tokens_max']} prompt tokens), device {settings['device']}, "
-             f"tensor parallel {settings.get('tensor_parallel_size', 1)}.", "",
+             f"tensor parallel {settings.get('tensor_parallel_size', 1)}"
+             + (f", {settings['repeats']} passes (tok/s: median (min-max), methods interleaved)"
+                if settings.get("repeats", 1) > 1 else "") + ".", "",
              "| method | tau | per-position acceptance | "
              + " | ".join(f"tok/s @{c}" for c in concurrency)
              + " | ITL ms @1 | KV pool tokens | draft round ms @1k / 4k / 16k | drafter alone ms | "
@@ -244,7 +277,7 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
             continue
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         pos = " ".join(f"{p:.2f}" for p in r["tau_per_position"]) or "-"
-        tps = " | ".join(f"{r['by_concurrency'][str(c)]['output_tokens_per_s']:.1f}" for c in concurrency)
+        tps = " | ".join(tokens_per_s_cell(r["by_concurrency"][str(c)]) for c in concurrency)
         by_ctx = r["draft_ms_by_context"]
         dm, alone = (" / ".join(f"{by_ctx[str(b)][key]:.2f}" if str(b) in by_ctx else "-" for b in CONTEXT_BUCKETS)
                      for key in ("median_ms", "drafter_median_ms"))
@@ -359,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip longer prompts; up to the target's context minus --max-tokens, K and 8 "
                          "(30000 on the tiny target, whose max_position_embeddings is 32768)")
     ap.add_argument("--max-requests", type=int, default=0, help="keep N requests spread evenly (0: all)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure every method and concurrency N times, methods interleaved, each in a fresh "
+                         "engine; report medians and the spread")
     ap.add_argument("--merge", action="store_true",
                     help="keep the methods already in OUT/results.json that are not in --methods, when they "
                          "were measured with the same settings and requests (e.g. add a newly trained drafter)")
@@ -390,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                  "raise -k for a larger k")
     if args.tensor_parallel_size < 1:
         ap.error("--tensor-parallel-size must be >= 1")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if not Path(args.workload).is_file():
         ap.error(f"--workload: {args.workload} does not exist (a sessions JSONL, docs/design.md §6)")
     if args.max_prompt_tokens < 1:
@@ -417,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(
         workload=args.workload, target=args.target, k=args.k, temperature=args.temperature,
         max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed, concurrency=args.concurrency,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, repeats=args.repeats,
         num_requests=len(prompts), prompt_tokens_min=min(map(len, prompts)),
         prompt_tokens_max=max(map(len, prompts)), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
@@ -429,14 +467,19 @@ def main(argv: list[str] | None = None) -> int:
 
     kept, kept_outputs, earlier = previous_results(args.out, settings, methods) if args.merge else ({}, {}, {})
     t0 = time.time()
-    results = {m: run_method(args, m, prompts, getattr(args, drafter_family(m), None)) for m in methods}
-    outputs = {**kept_outputs, **{m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}}
+    passes = [{m: run_method(args, m, prompts, getattr(args, drafter_family(m), None)) for m in methods}
+              for _ in range(args.repeats)]  # methods interleaved: pass after pass
+    results = {m: combine_repeats([p[m] for p in passes]) for m in methods}
+    every_pass = {m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}
+    every_pass = {m: o if isinstance(o, list) else [o] for m, o in every_pass.items()}
+    outputs = {**kept_outputs, **{m: o[0] for m, o in every_pass.items()}}
     order = sorted({*results, *kept}, key=lambda m: (METHODS.index(parse_method(m)[0]), parse_method(m)[1] or args.k))
     results = {m: results.get(m) or kept[m] for m in order}
     base = outputs.get("none")
     for m, r in results.items():
         if base and m in outputs and m != "none" and args.temperature == 0:
-            r["identical_to_none"] = all(outputs[m][c] == base[c] for c in outputs[m] if c in base)
+            r["identical_to_none"] = all(o[c] == base[c] for o in every_pass.get(m, [outputs[m]])
+                                         for c in o if c in base)
     settings["wall_s"] = round(time.time() - t0, 1)
     if kept:
         settings["merged_from_earlier_run"] = sorted(kept)
