@@ -206,25 +206,27 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
     }
 
 
+REPEATED_KEYS = ("output_tokens_per_s", "mean_itl_ms", "wall_s")
+
+
 def combine_repeats(runs: list[dict]) -> dict:
     """One method's record from its ``--repeats`` passes: the first pass's record, with tok/s, ITL
     and wall at each concurrency the median over the passes (every pass's values kept in
-    ``by_concurrency[c]["repeats"]``); a failed pass makes the method failed."""
+    ``by_concurrency[c]["repeats"]``) and ``_outputs`` the list of every pass's outputs; a failed
+    pass makes the method failed."""
     first = runs[0]
     failed = next((r for r in runs if r["status"] != "ok"), None)
-    if failed is not None or len(runs) == 1:
-        return failed or first
-    for c, cell in first["by_concurrency"].items():
-        values = {key: [r["by_concurrency"][c][key] for r in runs] for key in REPEATED_KEYS}
-        cell.update({key: statistics.median(v) for key, v in values.items()})
-        cell["repeats"] = values
-    lowest = first["by_concurrency"][str(min(map(int, first["by_concurrency"])))]
-    first.update({key: lowest[key] for key in REPEATED_KEYS})
+    if failed is not None:
+        return failed
+    if len(runs) > 1:
+        for c, cell in first["by_concurrency"].items():
+            values = {key: [r["by_concurrency"][c][key] for r in runs] for key in REPEATED_KEYS}
+            cell.update({key: statistics.median(v) for key, v in values.items()})
+            cell["repeats"] = values
+        lowest = first["by_concurrency"][str(min(map(int, first["by_concurrency"])))]
+        first.update({key: lowest[key] for key in REPEATED_KEYS})
     first["_outputs"] = [r["_outputs"] for r in runs]
     return first
-
-
-REPEATED_KEYS = ("output_tokens_per_s", "mean_itl_ms", "wall_s")
 
 SAME_RUN_KEYS = ("workload", "target", "k", "temperature", "max_tokens", "dtype", "seed", "concurrency",
                  "tensor_parallel_size", "num_requests", "prompt_tokens_min", "prompt_tokens_max", "max_model_len",
@@ -471,7 +473,6 @@ def main(argv: list[str] | None = None) -> int:
               for _ in range(args.repeats)]  # methods interleaved: pass after pass
     results = {m: combine_repeats([p[m] for p in passes]) for m in methods}
     every_pass = {m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}
-    every_pass = {m: o if isinstance(o, list) else [o] for m, o in every_pass.items()}
     outputs = {**kept_outputs, **{m: o[0] for m, o in every_pass.items()}}
     order = sorted({*results, *kept}, key=lambda m: (METHODS.index(parse_method(m)[0]), parse_method(m)[1] or args.k))
     results = {m: results.get(m) or kept[m] for m in order}

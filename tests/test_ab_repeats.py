@@ -28,7 +28,9 @@ def test_cells_are_medians_of_the_passes_and_keep_the_spread():
 
 def test_one_pass_is_reported_as_measured():
     run = _run({1: 12.0})
+    outputs = run["_outputs"]
     assert ab.combine_repeats([run]) is run
+    assert run["_outputs"] == [outputs]  # one pass's outputs, in the same list form as N passes'
     assert ab.tokens_per_s_cell(run["by_concurrency"]["1"]) == "12.0"
 
 
