@@ -68,6 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # DraftTimer needs the in-process engine
 
+from repeats import combine_passes, spread  # noqa: E402  (beside this script)
 from vllm_dlite.vllm.engine import use_cpu_env  # noqa: E402  (after the path)
 
 use_cpu_env(4, threads=1)  # GiB: prompts to 30k tokens fit
@@ -210,22 +211,13 @@ REPEATED_KEYS = ("output_tokens_per_s", "mean_itl_ms", "wall_s")
 
 
 def combine_repeats(runs: list[dict]) -> dict:
-    """One method's record from its ``--repeats`` passes: the first pass's record, with tok/s, ITL
-    and wall at each concurrency the median over the passes (every pass's values kept in
-    ``by_concurrency[c]["repeats"]``) and ``_outputs`` the list of every pass's outputs; a failed
-    pass makes the method failed."""
-    first = runs[0]
-    failed = next((r for r in runs if r["status"] != "ok"), None)
-    if failed is not None:
-        return failed
-    if len(runs) > 1:
-        for c, cell in first["by_concurrency"].items():
-            values = {key: [r["by_concurrency"][c][key] for r in runs] for key in REPEATED_KEYS}
-            cell.update({key: statistics.median(v) for key, v in values.items()})
-            cell["repeats"] = values
+    """One method's record from its ``--repeats`` passes (``repeats.combine_passes``: medians of
+    tok/s, ITL and wall per concurrency, every pass's values and outputs kept); the top-level
+    figures are the lowest concurrency's, like a single pass's."""
+    first = combine_passes(runs, REPEATED_KEYS)
+    if first["status"] == "ok" and len(runs) > 1:
         lowest = first["by_concurrency"][str(min(map(int, first["by_concurrency"])))]
         first.update({key: lowest[key] for key in REPEATED_KEYS})
-    first["_outputs"] = [r["_outputs"] for r in runs]
     return first
 
 SAME_RUN_KEYS = ("workload", "target", "k", "temperature", "max_tokens", "dtype", "seed", "concurrency",
@@ -252,13 +244,6 @@ def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dic
             old["settings"])
 
 
-def tokens_per_s_cell(cell: dict) -> str:
-    """``median (min-max)`` over the repeats, or the one value."""
-    runs = cell.get("repeats", {}).get("output_tokens_per_s")
-    median = f"{cell['output_tokens_per_s']:.1f}"
-    return f"{median} ({min(runs):.1f}-{max(runs):.1f})" if runs and len(runs) > 1 else median
-
-
 def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[int]) -> None:
     lines = [f"# A/B: {Path(settings['workload']).name}", "",
              f"target `{settings['target']}`, K={settings['k']}, temperature {settings['temperature']}, "
@@ -279,7 +264,7 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
             continue
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
         pos = " ".join(f"{p:.2f}" for p in r["tau_per_position"]) or "-"
-        tps = " | ".join(tokens_per_s_cell(r["by_concurrency"][str(c)]) for c in concurrency)
+        tps = " | ".join(spread(r["by_concurrency"][str(c)], "output_tokens_per_s") for c in concurrency)
         by_ctx = r["draft_ms_by_context"]
         dm, alone = (" / ".join(f"{by_ctx[str(b)][key]:.2f}" if str(b) in by_ctx else "-" for b in CONTEXT_BUCKETS)
                      for key in ("median_ms", "drafter_median_ms"))

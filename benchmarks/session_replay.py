@@ -44,6 +44,12 @@ Contract:
   so ``session_requests_s_mean``, the sum of a session's request times, is also given), medians of
   TTFT / TPOT, output tok/s (all tokens / wall time), tau, prefix-cache hit rate, drafts and draft
   tokens per turn.
+* ``--repeats N``: N passes over all methods, one after the other (methods interleaved in time),
+  each method on a fresh server every pass (``repeats.combine_passes``): output tok/s, median TTFT,
+  median TPOT, wall and mean session wall of each level are the medians over the passes, with every
+  pass's values in ``summary["repeats"]`` and ``median (min-max)`` in ``results.md``; tau, counters
+  and per-turn records are the first pass's; every pass's replies are compared with ``none``'s of
+  the same pass.
 * A method that cannot run here (no drafter checkpoint, missing package, server start failure) is
   reported with the reason, never dropped.
 
@@ -69,6 +75,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from repeats import combine_passes, spread  # noqa: E402  (beside this script)
+
 METRIC_NAMES = {
     "prefix_cache_hits": "vllm:prefix_cache_hits_total",
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
@@ -77,6 +85,7 @@ METRIC_NAMES = {
     "accepted": "vllm:spec_decode_num_accepted_tokens_total",
     "requests_finished": "vllm:request_success_total",
 }
+REPEATED_KEYS = ("output_tokens_per_s", "ttft_ms_median", "tpot_ms_median", "wall_s", "session_wall_s_mean")
 DRAFT_MS_NOTE = ("draft time is not measured: vLLM's /metrics has no draft-time counter, and from outside the "
                  "server a draft round cannot be separated from the target's verification; ttft_over_none_ms "
                  "(concurrency 1) is the outside view of the extra work before the first token, and "
@@ -389,13 +398,21 @@ def run_method(args, method: str, sessions: list[list[Turn]]) -> dict:
             "by_concurrency": levels, "_outputs": outputs}
 
 
+def combine_method_passes(runs: list[dict]) -> dict:
+    """One method's record from its ``--repeats`` passes: each level's ``REPEATED_KEYS`` the median
+    over the passes (``repeats.combine_passes``), ``_outputs`` every pass's."""
+    return combine_passes(runs, REPEATED_KEYS, cell=lambda run, c: run["by_concurrency"][c]["summary"])
+
+
 def fmt(x, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
 # ----------------------------------------------------------------------------- reports
 def add_comparisons(results: dict, outputs: dict) -> None:
-    """``identical_to_none``/``mismatches`` per level, and ``ttft_over_none_ms`` per turn at c=1."""
+    """``identical_to_none``/``mismatches`` per level (``outputs[m]``: every pass's, each compared
+    with ``none``'s of the same pass; a mismatch names its pass), and ``ttft_over_none_ms`` per turn
+    at c=1 (first pass)."""
     base = outputs.get("none")
     none_turns = {}
     if results.get("none", {}).get("status") == "ok" and "1" in results["none"]["by_concurrency"]:
@@ -404,8 +421,9 @@ def add_comparisons(results: dict, outputs: dict) -> None:
         if r["status"] != "ok":
             continue
         for c, level in r["by_concurrency"].items():
-            if m != "none" and base is not None and int(c) in base:
-                mism = compare_outputs(base[int(c)], outputs[m][int(c)])
+            if m != "none" and base is not None and int(c) in base[0]:
+                mism = [{**x, "pass": i} for i, o in enumerate(outputs[m])
+                        for x in compare_outputs(base[min(i, len(base) - 1)][int(c)], o[int(c)])]
                 level["summary"]["identical_to_none"] = not mism
                 level["summary"]["mismatches"] = mism
             if c == "1" and none_turns and m != "none":
@@ -426,7 +444,9 @@ def write_markdown(path: Path, settings: dict, results: dict) -> None:
              f"dtype {s['dtype']}, max model len {s['max_model_len']}, prefix caching on"
              f"{', eager (no compilation)' if s.get('enforce_eager') else ''}"
              f"{', methods replayed at once (timings not comparable)' if s.get('parallel_methods') else ''}"
-             f", device {s['device']}.", "",
+             f", device {s['device']}"
+             + (f", {s['repeats']} passes (timings: median (min-max), methods interleaved)"
+                if s.get("repeats", 1) > 1 else "") + ".", "",
              "| method | sessions at once | tau | TTFT ms (median) | TPOT ms (median) | output tok/s | "
              "prefix-cache hit rate | drafts / draft tokens per turn | TTFT over none ms (median) | "
              "session wall s (mean / max) | identical to none |",
@@ -441,8 +461,9 @@ def write_markdown(path: Path, settings: dict, results: dict) -> None:
             if same is False:
                 same = f"False ({len(x['mismatches'])} turns)"
             lines.append(
-                f"| {m} | {c} | {fmt(x['tau'], '.2f')} | {fmt(x['ttft_ms_median'])} | {fmt(x['tpot_ms_median'])} | "
-                f"{x['output_tokens_per_s']:.1f} | {fmt(x['prefix_cache_hit_rate'], '.3f')} | "
+                f"| {m} | {c} | {fmt(x['tau'], '.2f')} | {fmt(x['ttft_ms_median'])} | "
+                f"{'-' if x['tpot_ms_median'] is None else spread(x, 'tpot_ms_median')} | "
+                f"{spread(x, 'output_tokens_per_s')} | {fmt(x['prefix_cache_hit_rate'], '.3f')} | "
                 f"{fmt(x['drafts_per_turn'])} / {fmt(x['draft_tokens_per_turn'])} | "
                 f"{fmt(x.get('ttft_over_none_ms_median'))} | "
                 f"{fmt(x['session_wall_s_mean'])} / {fmt(x['session_wall_s_max'])} | {same} |")
@@ -535,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel-methods", action="store_true",
                     help="replay all methods at once, each on its own server (a smoke run on a CPU with a core per "
                          "server: the same tokens and counters, but timings that are not comparable)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="passes over all methods (interleaved), each on fresh servers; timings are the medians")
     ap.add_argument("--timeout-s", type=float, default=3600, help="per request")
     ap.add_argument("--server-timeout-s", type=float, default=900, help="server start-up")
     args = ap.parse_args(argv)
@@ -552,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(METHODS)}")
     if min(args.max_sessions, args.max_turns) < 0 or args.max_tokens < 1:
         ap.error("--max-sessions and --max-turns must be >= 0, --max-tokens >= 1")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if not Path(args.workload).is_file():
         ap.error(f"--workload: {args.workload} does not exist (a sessions JSONL, docs/design.md §6)")
 
@@ -578,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(
         workload=args.workload, target=args.target, k=args.k, temperature=0.0, max_tokens=args.max_tokens,
         dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
-        parallel_methods=args.parallel_methods, concurrency=args.concurrency,
+        parallel_methods=args.parallel_methods, concurrency=args.concurrency, repeats=args.repeats,
         sessions=len(sessions), max_turns=args.max_turns or None, turns=len(lengths), prompt_tokens_min=min(lengths),
         prompt_tokens_max=max(lengths), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
@@ -589,18 +614,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(settings), flush=True)
     t0 = time.time()
-    if args.parallel_methods:  # every method's server at once: a smoke run, timings not comparable
-        from concurrent.futures import ThreadPoolExecutor
+    passes = []
+    for _ in range(args.repeats):  # methods interleaved: pass after pass
+        if args.parallel_methods:  # every method's server at once: a smoke run, timings not comparable
+            from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(len(methods)) as pool:
-            results = dict(zip(methods, pool.map(lambda m: run_method(args, m, sessions), methods)))
-    else:
-        results = {m: run_method(args, m, sessions) for m in methods}
+            with ThreadPoolExecutor(len(methods)) as pool:
+                passes.append(dict(zip(methods, pool.map(lambda m: run_method(args, m, sessions), methods))))
+        else:
+            passes.append({m: run_method(args, m, sessions) for m in methods})
+    results = {m: combine_method_passes([p[m] for p in passes]) for m in methods}
     outputs = {m: r.pop("_outputs") for m, r in results.items() if "_outputs" in r}
     add_comparisons(results, outputs)
     settings["wall_s"] = round(time.time() - t0, 1)
     (args.out / "results.json").write_text(json.dumps(dict(settings=settings, methods=results), indent=2) + "\n")
-    (args.out / "outputs.json").write_text(json.dumps(outputs) + "\n")
+    (args.out / "outputs.json").write_text(json.dumps({m: o[0] for m, o in outputs.items()}) + "\n")  # first pass
     write_markdown(args.out / "results.md", settings, results)
     notes = write_plots(args.out, results, args.concurrency)
     print((args.out / "results.md").read_text())

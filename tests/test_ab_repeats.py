@@ -4,6 +4,7 @@ values are kept as the spread, and a failed pass is not hidden behind the others
 from __future__ import annotations
 
 import ab
+from repeats import spread
 
 
 def _run(tok_s: dict[int, float], tau: float = 2.0, outputs=None) -> dict:
@@ -23,7 +24,7 @@ def test_cells_are_medians_of_the_passes_and_keep_the_spread():
     assert out["by_concurrency"]["4"]["repeats"]["output_tokens_per_s"] == [40.0, 30.0, 35.0]
     assert out["output_tokens_per_s"] == 11.0  # the lowest concurrency's median, like the cell
     assert len(out["_outputs"]) == 3  # every pass's outputs are checked against none's
-    assert ab.tokens_per_s_cell(out["by_concurrency"]["4"]) == "35.0 (30.0-40.0)"
+    assert spread(out["by_concurrency"]["4"], "output_tokens_per_s") == "35.0 (30.0-40.0)"
 
 
 def test_one_pass_is_reported_as_measured():
@@ -31,7 +32,7 @@ def test_one_pass_is_reported_as_measured():
     outputs = run["_outputs"]
     assert ab.combine_repeats([run]) is run
     assert run["_outputs"] == [outputs]  # one pass's outputs, in the same list form as N passes'
-    assert ab.tokens_per_s_cell(run["by_concurrency"]["1"]) == "12.0"
+    assert spread(run["by_concurrency"]["1"], "output_tokens_per_s") == "12.0"
 
 
 def test_a_failed_pass_fails_the_method():

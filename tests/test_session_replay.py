@@ -116,6 +116,28 @@ def test_summarize_level():
     assert s["session_wall_s_max"] == 3.0 and s["session_requests_s_mean"] == 1.5
 
 
+def _pass(tok_s: float, outputs: dict) -> dict:
+    summary = dict(output_tokens_per_s=tok_s, ttft_ms_median=100.0, tpot_ms_median=1000 / tok_s, wall_s=60 / tok_s,
+                   session_wall_s_mean=20 / tok_s, tau=2.0)
+    return {"status": "ok", "by_concurrency": {"1": {"summary": summary, "turns": []}}, "_outputs": {1: outputs}}
+
+
+def test_repeats_take_medians_and_compare_every_pass():
+    same, other = {"s/2": [1, 2, 3]}, {"s/2": [1, 2, 4]}
+    none = sr.combine_method_passes([_pass(10.0, same), _pass(12.0, same), _pass(11.0, same)])
+    dlite = sr.combine_method_passes([_pass(15.0, same), _pass(13.0, other), _pass(20.0, same)])
+    s = dlite["by_concurrency"]["1"]["summary"]
+    assert s["output_tokens_per_s"] == 15.0 and s["repeats"]["output_tokens_per_s"] == [15.0, 13.0, 20.0]
+    assert s["tpot_ms_median"] == pytest.approx(1000 / 15) and s["tau"] == 2.0  # tau: the first pass's
+    results = {"none": none, "dlite": dlite}
+    outputs = {m: r.pop("_outputs") for m, r in results.items()}
+    sr.add_comparisons(results, outputs)
+    assert s["identical_to_none"] is False  # a mismatch in one pass is not hidden by the others
+    assert s["mismatches"] == [dict(turn="s/2", first_diff=2, none_tokens=3, tokens=3, **{"pass": 1})]
+    failed = {"status": "failed", "reason": "server did not start"}
+    assert sr.combine_method_passes([_pass(10.0, same), failed]) is failed
+
+
 def _dlite_drafter(tmp_path):
     """The shipped drafter when it passes the checkpoint check, else a dlite_v1 copy drafter for the
     shipped target (tests/helpers_vllm.py; drafts the anchor repeated, so some drafts are accepted):
