@@ -9,7 +9,8 @@ Terms:
 
 Contract: ``combine_passes`` gives one record per method: the first pass's, where each timing in
 ``keys`` of every cell is the median over the passes and ``cell["repeats"][key]`` keeps every pass's
-value (the spread); everything else (tau, histograms, per-turn records) is the first pass's, and
+value (the spread; a figure a pass could not measure, ``None``, is left out of the median, and the
+median of none is ``None``); everything else (tau, histograms, per-turn records) is the first pass's, and
 ``_outputs`` becomes the list of every pass's outputs, so that each is checked against ``none``'s. A
 failed pass makes the method failed: a median must not hide it.
 """
@@ -32,14 +33,21 @@ def combine_passes(runs: list[dict], keys: Iterable[str],
         for c in first["by_concurrency"]:
             cells = [cell(r, c) for r in runs]
             values = {key: [x[key] for x in cells] for key in keys}
-            cells[0].update({key: statistics.median(v) for key, v in values.items()})
+            cells[0].update({key: _median(v) for key, v in values.items()})
             cells[0]["repeats"] = values
     first["_outputs"] = [r["_outputs"] for r in runs]
     return first
 
 
+def _median(values: list) -> float | None:
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
+
+
 def spread(cell: dict, key: str, spec: str = ".1f") -> str:
-    """``median (min-max)`` of ``key`` over the passes, or the one measured value."""
-    runs = cell.get("repeats", {}).get(key)
+    """``median (min-max)`` of ``key`` over the passes, the one measured value, or ``-``."""
+    if cell[key] is None:
+        return "-"
+    runs = [v for v in cell.get("repeats", {}).get(key, []) if v is not None]
     median = format(cell[key], spec)
     return f"{median} ({min(runs):{spec}}-{max(runs):{spec}})" if runs and len(runs) > 1 else median

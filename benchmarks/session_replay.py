@@ -411,7 +411,8 @@ def fmt(x, spec: str = ".1f") -> str:
 # ----------------------------------------------------------------------------- reports
 def add_comparisons(results: dict, outputs: dict) -> None:
     """``identical_to_none``/``mismatches`` per level (``outputs[m]``: every pass's, each compared
-    with ``none``'s of the same pass; a mismatch names its pass), and ``ttft_over_none_ms`` per turn
+    with ``none``'s of the same pass, since both ran every pass: a failed pass fails the method; a
+    mismatch names its pass), and ``ttft_over_none_ms`` per turn
     at c=1 (first pass)."""
     base = outputs.get("none")
     none_turns = {}
@@ -423,7 +424,7 @@ def add_comparisons(results: dict, outputs: dict) -> None:
         for c, level in r["by_concurrency"].items():
             if m != "none" and base is not None and int(c) in base[0]:
                 mism = [{**x, "pass": i} for i, o in enumerate(outputs[m])
-                        for x in compare_outputs(base[min(i, len(base) - 1)][int(c)], o[int(c)])]
+                        for x in compare_outputs(base[i][int(c)], o[int(c)])]
                 level["summary"]["identical_to_none"] = not mism
                 level["summary"]["mismatches"] = mism
             if c == "1" and none_turns and m != "none":
@@ -462,7 +463,7 @@ def write_markdown(path: Path, settings: dict, results: dict) -> None:
                 same = f"False ({len(x['mismatches'])} turns)"
             lines.append(
                 f"| {m} | {c} | {fmt(x['tau'], '.2f')} | {fmt(x['ttft_ms_median'])} | "
-                f"{'-' if x['tpot_ms_median'] is None else spread(x, 'tpot_ms_median')} | "
+                f"{spread(x, 'tpot_ms_median')} | "
                 f"{spread(x, 'output_tokens_per_s')} | {fmt(x['prefix_cache_hit_rate'], '.3f')} | "
                 f"{fmt(x['drafts_per_turn'])} / {fmt(x['draft_tokens_per_turn'])} | "
                 f"{fmt(x.get('ttft_over_none_ms_median'))} | "

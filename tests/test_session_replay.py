@@ -15,6 +15,7 @@ import time
 import pytest
 
 import session_replay as sr
+from repeats import spread
 
 SESSION = {
     "id": "s0", "kind": "agentic",
@@ -136,6 +137,12 @@ def test_repeats_take_medians_and_compare_every_pass():
     assert s["mismatches"] == [dict(turn="s/2", first_diff=2, none_tokens=3, tokens=3, **{"pass": 1})]
     failed = {"status": "failed", "reason": "server did not start"}
     assert sr.combine_method_passes([_pass(10.0, same), failed]) is failed
+    one_token = _pass(30.0, same)  # every reply one token long: no TPOT in that pass
+    one_token["by_concurrency"]["1"]["summary"]["tpot_ms_median"] = None
+    s = sr.combine_method_passes([_pass(10.0, same), one_token, _pass(20.0, same)])["by_concurrency"]["1"]["summary"]
+    assert s["tpot_ms_median"] == pytest.approx(75.0)  # the median of the passes that measured it
+    assert spread(s, "tpot_ms_median") == "75.0 (50.0-100.0)" and spread(s, "output_tokens_per_s") == "20.0 (10.0-30.0)"
+    assert spread(dict(tpot_ms_median=None), "tpot_ms_median") == "-"
 
 
 def _dlite_drafter(tmp_path):
