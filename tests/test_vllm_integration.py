@@ -134,6 +134,30 @@ def test_tensor_parallel_env_pins_cpu_ranks_once(monkeypatch):
     assert tensor_parallel_env(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
+
+def test_use_cpu_env_threads_reach_this_process_torch(monkeypatch):
+    """torch read OMP_NUM_THREADS when it was imported: ``threads`` must also set its thread count,
+    or an engine in this process runs on one thread per core; the user's variable wins."""
+    import os
+
+    from vllm_dlite.vllm.engine import use_cpu_env
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU settings only")
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    monkeypatch.setattr(os, "environ", environ)  # this process's variables stay as they were
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        use_cpu_env(1, threads=1)
+        assert torch.get_num_threads() == 1 and environ["OMP_NUM_THREADS"] == "1"
+        environ["OMP_NUM_THREADS"] = "2"  # the user's
+        use_cpu_env(1, threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # =========================================================================== config time
 def _target_dict(models):
     return H.target_config(models.target)

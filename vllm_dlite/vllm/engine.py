@@ -75,8 +75,15 @@ def cpu_env(kv_cache_gib: float = 2, *, in_process: bool = False, threads: int |
 
 
 def use_cpu_env(kv_cache_gib: float = 2, *, in_process: bool = False, threads: int | None = None) -> None:
-    """:func:`cpu_env` into ``os.environ``, keeping every value already set there."""
-    os.environ.update(cpu_env(kv_cache_gib, in_process=in_process, threads=threads, environ=os.environ))
+    """:func:`cpu_env` into ``os.environ``, keeping every value already set there. With ``threads``
+    this process's torch takes the resulting ``OMP_NUM_THREADS`` too: torch read the variable when
+    it was imported, so an engine running in this process would otherwise keep one thread per core."""
+    env = cpu_env(kv_cache_gib, in_process=in_process, threads=threads, environ=os.environ)
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
 def cpu_thread_binding(tensor_parallel_size: int) -> str:
