@@ -15,7 +15,7 @@ Terms (one request at a time, greedy, vLLM's in-process engine, prefix caching o
   request's ``num_cached_tokens`` is checked to be exactly L, else the run stops);
 * ``decode_ms`` D(L): one plain decode step at context L, in an engine without speculation, in
   steady state: (a request ``prompt[:L+1]`` with ``max_tokens=1+M`` minus the same request with
-  ``max_tokens=1``) / M, M = ``STEPS`` (the first decode step after a prefill costs more);
+  ``max_tokens=1``) / M, M = ``STEPS`` (a mean over steps, not the first one after the prefill);
 * ``verify_ms[n-1]`` S(L, n), n = 1..K+1: a step that checks n tokens at context L (a decode step
   with n-1 drafts): D(L) plus what n new prompt tokens cost over 1 (requests ``prompt[:L+n]``
   against ``prompt[:L+1]``, ``max_tokens=1``: the same forward over n new positions on top of the

@@ -58,7 +58,7 @@ def test_figures_are_medians_over_sweeps_with_every_sweep_kept():
 
 
 def test_a_costlier_first_step_after_the_prefill_is_spread_over_the_steady_steps():
-    """The first decode step after a prefill costs more; over STEPS steps it counts 1/STEPS."""
+    """Whatever extra the first decode step after a prefill costs counts 1/STEPS (a mean over steps)."""
     k = 1
     row = verify_cost.summarise([_sweep(1024, overhead=0.05, decode=0.010, per_token=0.001, k=k,
                                         first_step=0.008)], k, STEPS)[1024]
