@@ -135,27 +135,24 @@ def test_tensor_parallel_env_pins_cpu_ranks_once(monkeypatch):
 
 
 
-def test_use_cpu_env_threads_reach_this_process_torch(monkeypatch):
+def test_use_cpu_env_threads_reach_this_process_torch():
     """torch read OMP_NUM_THREADS when it was imported: ``threads`` must also set its thread count,
-    or an engine in this process runs on one thread per core; the user's variable wins."""
+    or an engine in this process runs on one thread per core; the user's variable wins. In a fresh
+    interpreter: once a vLLM CPU worker has bound its threads in this one, torch.set_num_threads
+    is a no-op here."""
     import os
-
-    from vllm_dlite.vllm.engine import use_cpu_env
+    import subprocess
 
     if torch.cuda.is_available():
         pytest.skip("CPU settings only")
-    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
-    monkeypatch.setattr(os, "environ", environ)  # this process's variables stay as they were
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        use_cpu_env(1, threads=1)
-        assert torch.get_num_threads() == 1 and environ["OMP_NUM_THREADS"] == "1"
-        environ["OMP_NUM_THREADS"] = "2"  # the user's
-        use_cpu_env(1, threads=1)
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    code = ("import os, torch; torch.set_num_threads(2); from vllm_dlite.vllm.engine import use_cpu_env; "
+            "use_cpu_env(1, threads=1); ours = torch.get_num_threads(); os.environ['OMP_NUM_THREADS'] = '2'; "
+            "use_cpu_env(1, threads=1); print(ours, torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["1", "2", "2"]
 
 
 # =========================================================================== config time
