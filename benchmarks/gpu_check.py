@@ -308,6 +308,7 @@ def stage_b(args, rec: dict, save: Callable[[], None]) -> bool:
     vllm_env(on_gpu)
     from vllm import SamplingParams
 
+    from lab.harness.replay import in_fresh_process
     from vllm_dlite.vllm.plugin import register
     from vllm_dlite.vllm.engine import speculative_config
 
@@ -476,20 +477,12 @@ def measure_method(method: str, prompts: dict, args, on_gpu: bool) -> dict:
     return dict(info=info, rows=rows, outputs=outputs)
 
 
-def in_fresh_process(fn: Callable, *args):
-    """``fn(*args)`` in a newly spawned process (nothing carried over from earlier engines)."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
-
-
 def stage_c(args, rec: dict, save: Callable[[], None]) -> bool:
     import torch
 
     on_gpu = torch.cuda.is_available()
     vllm_env(on_gpu)
+    from lab.harness.replay import in_fresh_process
     from vllm_dlite.vllm.engine import MethodUnavailable
 
     batches = [int(b) for b in args.c_batches.split(",")]

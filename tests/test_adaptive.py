@@ -589,12 +589,10 @@ def _counters_from_engine_process(target, drafter, prompts, greedy) -> tuple[dic
 def test_counters_are_read_from_an_engine_in_its_own_process(models, prompts, greedy):
     """``collect_stats`` asks the workers by method name (``collective_rpc("dlite_drafting_stats")``),
     which works across processes; a function would need vLLM's insecure serialization."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
+    from lab.harness.replay import in_fresh_process
 
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        stats, metrics = pool.submit(_counters_from_engine_process, str(models.target), str(models.copy_drafter),
-                                     prompts[:4], greedy).result()
+    stats, metrics = in_fresh_process(_counters_from_engine_process, str(models.target), str(models.copy_drafter),
+                                      prompts[:4], greedy)
     assert stats is not None and stats["mode"] == "adaptive" and stats["rounds"] > 0
     assert stats["cost_model"] and stats["rounds_by_phase"]
     assert stats["totals"]["dlite"]["accepted"] == metrics.get("vllm:spec_decode_num_accepted_tokens", 0)

