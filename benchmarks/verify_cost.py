@@ -57,16 +57,10 @@ from vllm_dlite.vllm.engine import use_cpu_env  # noqa: E402  (after the path)
 use_cpu_env(4, threads=1)  # GiB: contexts to 30k tokens fit
 
 STEPS = 16  # decode / verify steps timed per steady-state request
+MODEL_LEN_MARGIN = STEPS  # max model len = longest context + k + this (>= its L + 1 + STEPS tokens: k >= 1)
 
 
 # =========================================================================== analysis (no vLLM)
-def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ``ys`` over ``xs``."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-
-
 def summarise(sweeps: list[dict], k: int, steps: int) -> dict:
     """Per context, the medians over ``sweeps`` of what one sweep measured there.
 
@@ -86,7 +80,7 @@ def summarise(sweeps: list[dict], k: int, steps: int) -> dict:
             "repeats": {"decode_ms": [1e3 * d for d in decode],
                         "verify_ms": [[1e3 * x for x in v] for v in verify]},
         }
-        row["token_ms"] = slope(list(range(1, k + 2)), row["verify_ms"])
+        row["token_ms"] = statistics.linear_regression(range(1, k + 2), row["verify_ms"]).slope
         drafts = [x for c in cells for x in (c.get("draft") or ())]
         row["draft_ms"] = 1e3 * statistics.median(drafts) if drafts else None
         real = [((c["dlite_many"][0] - c["dlite_many"][1]) - (c["dlite_one"][0] - c["dlite_one"][1]))
@@ -114,12 +108,13 @@ def prompt_tokens(workload: str, target: str, length: int) -> list[int]:
         ids += chat_token_ids(tok, s["messages"], s.get("tools"), add_generation_prompt=False)
         if len(ids) >= length:
             return ids[:length]
-    raise SystemExit(f"--workload {workload} renders to {len(ids)} tokens; the longest context needs {length}")
+    raise SystemExit(f"--workload {workload} renders to {len(ids)} tokens, but the longest of --contexts needs "
+                     f"{length}: lower --contexts or pass a workload with longer sessions")
 
 
 def measure(target: str, spec: dict | None, tokens: list[int], contexts: list[int], k: int,
             repeats: int, dtype: str) -> list[dict]:
-    """Sweeps of one engine (a fresh process: see ``lab.harness.replay.replay_in_fresh_process``)."""
+    """Sweeps of one engine (run it ``lab.harness.replay.in_fresh_process``)."""
     from vllm import SamplingParams, TokensPrompt
 
     from lab.harness.replay import DraftTimer
@@ -127,8 +122,12 @@ def measure(target: str, spec: dict | None, tokens: list[int], contexts: list[in
     from vllm_dlite.vllm.plugin import register
 
     register()
-    llm = build_llm(target, spec, dtype=dtype, max_model_len=max(contexts) + k + 16, max_num_seqs=1,
-                    enforce_eager=True, enable_prefix_caching=True)
+    llm = build_llm(target, spec, dtype=dtype, max_model_len=max(contexts) + k + MODEL_LEN_MARGIN,
+                    max_num_seqs=1, enforce_eager=True, enable_prefix_caching=True)
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    if any(L % block for L in contexts):
+        raise SystemExit(f"--contexts {','.join(map(str, contexts))}: the prefix cache keeps whole blocks of {block} "
+                         f"tokens here, so a context must be a multiple of {block}")
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     many = SamplingParams(max_tokens=1 + STEPS, temperature=0.0, ignore_eos=True)
 
@@ -161,14 +160,6 @@ def measure(target: str, spec: dict | None, tokens: list[int], contexts: list[in
             sweeps.append(record)
     shutdown(llm)
     return sweeps
-
-
-def in_fresh_process(*args) -> list[dict]:
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(measure, *args).result()
 
 
 def markdown(settings: dict, rows: dict, k: int) -> str:
@@ -216,11 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     contexts = sorted({int(c) for c in args.contexts.split(",") if c.strip()})
     if not contexts or contexts[0] < 1 or args.k < 1 or args.repeats < 1:
         ap.error("--contexts needs positive lengths; -k and --repeats must be >= 1")
+    from ab import target_context
+    from lab.harness.replay import in_fresh_process
     from vllm_dlite.vllm.engine import speculative_config
 
+    limit = target_context(args.target)
+    if limit is not None and max(contexts) + args.k + MODEL_LEN_MARGIN > limit:
+        ap.error(f"--contexts up to {max(contexts)} with -k {args.k} needs {max(contexts) + args.k + MODEL_LEN_MARGIN} "
+                 f"positions, more than the target's {limit} (max_position_embeddings): lower --contexts")
     tokens = prompt_tokens(args.workload, args.target, max(contexts) + args.k + 1)
-    target_sweeps = in_fresh_process(args.target, None, tokens, contexts, args.k, args.repeats, args.dtype)
-    dlite_sweeps = in_fresh_process(args.target, speculative_config("dlite", args.k, args.dlite), tokens,
+    target_sweeps = in_fresh_process(measure, args.target, None, tokens, contexts, args.k, args.repeats, args.dtype)
+    dlite_sweeps = in_fresh_process(measure, args.target, speculative_config("dlite", args.k, args.dlite), tokens,
                                     contexts, args.k, args.repeats, args.dtype)
     sweeps = [{L: {**a[L], **b[L]} for L in contexts} for a, b in zip(target_sweeps, dlite_sweeps)]
     rows = summarise(sweeps, args.k, STEPS)
@@ -233,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                 "command": "python benchmarks/verify_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"settings": settings, "by_context": rows}, indent=1))
-    (args.out / "results.md").write_text(markdown(settings, rows, args.k))
-    print(markdown(settings, rows, args.k))
+    report = markdown(settings, rows, args.k)
+    (args.out / "results.md").write_text(report)
+    print(report)
     return 0
 
 

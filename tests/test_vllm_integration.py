@@ -134,7 +134,6 @@ def test_tensor_parallel_env_pins_cpu_ranks_once(monkeypatch):
     assert tensor_parallel_env(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-
 def test_use_cpu_env_threads_reach_this_process_torch():
     """torch read OMP_NUM_THREADS when it was imported: ``threads`` must also set its thread count,
     or an engine in this process runs on one thread per core; the user's variable wins. In a fresh
@@ -149,8 +148,8 @@ def test_use_cpu_env_threads_reach_this_process_torch():
             "use_cpu_env(1, threads=1); ours = torch.get_num_threads(); os.environ['OMP_NUM_THREADS'] = '2'; "
             "use_cpu_env(1, threads=1); print(ours, torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3:] == ["1", "2", "2"]
 
