@@ -515,8 +515,10 @@ def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
                             idx_mapping=torch.tensor([5, 0, 2], dtype=torch.int32))
     num_sampled = torch.tensor([3, 1, 0], dtype=torch.int32)
     num_rejected = torch.tensor([2, 0, 0], dtype=torch.int32)
-    last_sampled = torch.arange(8) + 100
-    next_prefill = torch.arange(8) + 200
+    # V2's shapes (vllm/v1/worker/gpu/states.py): last_sampled_tokens [max_num_reqs, 1],
+    # next_prefill_tokens [num_prefill_lookahead, max_num_reqs]
+    last_sampled = (torch.arange(8) + 100)[:, None]
+    next_prefill = (torch.arange(8, dtype=torch.int32) + 200)[None, :]
     drafts = spec.propose(batch, {}, {}, aux[-1], aux, num_sampled, num_rejected, last_sampled,
                           next_prefill, torch.zeros(8), torch.zeros(8, dtype=torch.long))
     rows, anchors = [2, 10, 13], [105, 100, 202]

@@ -441,8 +441,9 @@ def _wrap_init_speculator(original: Callable) -> Callable:
             adaptive.check_runner(adaptive.options_from_vllm_config(vllm_config), "v2")
             from vllm_dlite.vllm.speculator_v2 import DLiteSpeculator
 
+            req_states = kwargs.get("req_states", args[0] if args else None)  # the token history (G > 2)
             logger.info("DLite: Model Runner V2 speculator = DLiteSpeculator (no draft KV cache)")
-            return DLiteSpeculator(vllm_config, device)
+            return DLiteSpeculator(vllm_config, device, req_states)
         return original(vllm_config, device, *args, **kwargs)
 
     setattr(init_speculator, _WRAPPED, True)

@@ -87,7 +87,7 @@ class _DLiteGraphs(CudaGraphManager):  # type: ignore[misc,valid-type]
 class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
     """History-free DLite drafting for Model Runner V2 (no draft KV cache)."""
 
-    def __init__(self, vllm_config, device: torch.device):
+    def __init__(self, vllm_config, device: torch.device, req_states=None):
         if _V2_IMPORT_ERROR is not None:
             raise RuntimeError(
                 f"vLLM Model Runner V2 is unavailable ({_V2_IMPORT_ERROR!r}); DLite falls back to "
@@ -97,10 +97,13 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         from vllm_dlite.vllm.plugin import checkpoint_config
 
         self.dlite_config = cfg = checkpoint_config(self.draft_model_config)  # k <= K: checked at config time
-        if cfg.anchor_group_size > 2:
+        # G > 2 reads x_{a-G+1..a-1} from the runner's RequestState (its token history)
+        self.req_states = req_states
+        if cfg.anchor_group_size > 2 and req_states is None:
             raise ValueError(
                 f"this DLite checkpoint has anchor_group_size={cfg.anchor_group_size}; Model Runner "
-                "V2 serves G <= 2: set VLLM_USE_V2_MODEL_RUNNER=0 to serve it with Model Runner V1"
+                "V2 serves G > 2 from the request's token history, which this vLLM does not hand to "
+                "speculators: set VLLM_USE_V2_MODEL_RUNNER=0 to serve it with Model Runner V1"
             )
         if self.enable_adaptive_verification:
             logger.warning("DLite: adaptive verification is not supported; disabled")
@@ -164,6 +167,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             and cudagraph_mode != CUDAGraphMode.NONE
             and torch.device(self.device).type == "cuda"
             and self.draft_logits is None  # probabilistic drafting runs eagerly
+            and self.dlite_config.anchor_group_size <= 2  # G > 2 reads the token history: eager
         )
         if use_graphs:
             self.graphs = _DLiteGraphs(
@@ -203,8 +207,12 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         num_rejected: torch.Tensor,
         last_sampled: torch.Tensor,
         next_prefill_tokens: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(features [B, L, H], group_ids [B, G] int64, req_state_idx [B] int64)``."""
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """``(features [B, L, H], group_ids [B, G] int64, group_lens [B] or None, req_state_idx [B])``.
+
+        ``last_sampled`` is V2's ``[max_num_reqs, 1]`` (one sampled token per request state) and
+        ``next_prefill_tokens`` its ``[num_prefill_lookahead, max_num_reqs]``; both are indexed by
+        request state (``idx_mapping``), never broadcast against the batch."""
         n = input_batch.num_reqs
         cfg = self.dlite_config
         if not aux_hidden_states or len(aux_hidden_states) != cfg.num_feature_layers:
@@ -213,15 +221,34 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
                 f"{cfg.target_layer_ids}), got {0 if not aux_hidden_states else len(aux_hidden_states)}"
             )
         qsl = input_batch.query_start_loc[1 : n + 1].long()
-        rows = qsl - 1 - num_rejected[:n].long()
-        features = torch.stack([h[rows] for h in aux_hidden_states], dim=1)
-        idx = input_batch.idx_mapping[:n].long()
-        prefill = next_prefill_tokens[0] if next_prefill_tokens.dim() == 2 else next_prefill_tokens
-        anchors = torch.where(num_sampled[:n] > 0, last_sampled[idx], prefill[idx]).long()
-        if cfg.anchor_group_size == 1:
-            return features, anchors[:, None], idx
-        previous = input_batch.input_ids[rows].long()  # x_{a-1}
-        return features, torch.stack([previous, anchors], dim=1), idx
+        rows = qsl - 1 - num_rejected[:n].long()  # [B] the row that predicted the anchor
+        features = torch.stack([h[rows] for h in aux_hidden_states], dim=1)  # [B, L, H]
+        idx = input_batch.idx_mapping[:n].long()  # [B] request state of each row
+        sampled = last_sampled.reshape(last_sampled.shape[0], -1)[idx, -1]  # [B]
+        prefill = next_prefill_tokens.reshape(-1, next_prefill_tokens.shape[-1])[0, idx]  # [B]
+        anchors = torch.where(num_sampled[:n] > 0, sampled, prefill).long()  # [B]
+        G = cfg.anchor_group_size
+        if G == 1:
+            return features, anchors[:, None], None, idx
+        if G == 2:
+            previous = input_batch.input_ids[rows].long()  # x_{a-1}: always scheduled this step
+            return features, torch.stack([previous, anchors], dim=1), None, idx
+        # G > 2: x_{a-G+1..a-1} from the request's token history (vLLM's RequestState)
+        if self.req_states is None:
+            raise RuntimeError(
+                "DLite with anchor_group_size > 2 on Model Runner V2 needs the runner's request "
+                "states (init_speculator(..., req_states)); this vLLM did not pass them"
+            )
+        anchor_pos = input_batch.positions[rows].long() + 1  # [B]
+        offsets = torch.arange(1 - G, 1, device=anchor_pos.device)  # [G]
+        pos = anchor_pos[:, None] + offsets  # [B, G]
+        history = self.req_states.all_token_ids.gpu
+        group = history[idx[:, None], pos.clamp(min=0)].long()  # [B, G]
+        group[:, -1] = anchors  # a partial prefill's anchor may not be in the history yet
+        group_lens = (anchor_pos + 1).clamp(max=G).cpu()  # host sync: G > 2 runs eagerly
+        if bool((group_lens == G).all()):
+            return features, group, None, idx
+        return features, group, group_lens, idx
 
     @torch.inference_mode()
     def propose(
@@ -247,31 +274,34 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         n = input_batch.num_reqs
         if n == 0:
             return self.draft_tokens[:0]
-        features, group_ids, idx = self.gather_inputs(
+        features, group_ids, group_lens, idx = self.gather_inputs(
             input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
             next_prefill_tokens,
         )
-        k = self.num_speculative_steps
+        # this step's draft length (V2 may schedule fewer than num_speculative_steps)
+        k = self.num_speculative_steps if num_speculative_tokens is None else int(num_speculative_tokens)
+        k = max(0, min(k, self.num_speculative_steps))
         if self.draft_logits is not None and not dummy_run:
             # probabilistic drafting (eager): sampled rows draw from softmax(logits / T)
-            temps = temperature[idx].float()
             ids, logits = self.model.propose_drafts(
-                features, group_ids, temperatures=temps, k=k, return_logits=True
+                features, group_ids, group_lens, temperatures=temperature[idx].float(), k=k,
+                return_logits=True,
             )
             self.draft_logits[idx, :k] = logits.to(self.draft_logits.dtype)
-            self.draft_tokens[:n].copy_(ids)
+            self.draft_tokens[:n, :k].copy_(ids)
             return self.draft_tokens[:n]
 
         padded = None
-        if self.graphs is not None and not is_profile and not dummy_run:
+        if (self.graphs is not None and not is_profile and not dummy_run and group_lens is None
+                and k == self.num_speculative_steps):
             padded = self.graphs.padded_size(n)
         if padded is not None:
             self.features[:n].copy_(features)
             self.group_ids[:n].copy_(group_ids)
             self.graphs.draft_graphs[padded].replay()
         else:
-            ids, _ = self.model.propose_drafts(features, group_ids, k=k)
-            self.draft_tokens[:n].copy_(ids)
+            ids, _ = self.model.propose_drafts(features, group_ids, group_lens, k=k)
+            self.draft_tokens[:n, :k].copy_(ids)
         return self.draft_tokens[:n]
 
 

