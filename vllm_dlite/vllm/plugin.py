@@ -254,14 +254,18 @@ def checkpoint_config(draft_model_config: Any):
     return read_checkpoint_config(directory)[1]
 
 
-def dlite_hf_config_override(hf_config: Any) -> Any:
+def dlite_hf_config_override(hf_config: Any, *args: Any, **kwargs: Any) -> Any:
     """vLLM's ``SpeculativeConfig.hf_config_override`` plus, for a dlite_v1 draft config, what
     vLLM needs to serve it on its parallel-drafting path: ``architectures`` = the DLite draft
     model, ``eagle_aux_hidden_state_layer_ids`` = the aux ids to capture (target layer j -> j+1),
-    top-level ``mask_token_id``. The user's checkpoint files are not touched."""
+    top-level ``mask_token_id``. The user's checkpoint files are not touched.
+
+    Every other argument goes to vLLM's own override unchanged: 0.32 takes ``hf_config`` only,
+    0.33 and later also ``transformers_mtp_overrides`` (positional or keyword), and this function
+    replaces vLLM's for every draft-model method (EAGLE-3, DFlash, ...), not only DLite."""
     from vllm_dlite.config import DRAFT_ARCHITECTURE, DLiteConfig, is_dlite_config
 
-    hf_config = _original_hf_config_override()(hf_config)
+    hf_config = _original_hf_config_override()(hf_config, *args, **kwargs)
     if is_dlite_config(hf_config):
         cfg = DLiteConfig.from_checkpoint_config(hf_config.to_dict())
         hf_config.architectures = [DRAFT_ARCHITECTURE]
