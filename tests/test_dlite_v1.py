@@ -355,7 +355,8 @@ def _edit(d: Path, tmp: Path, fn) -> Path:
     (lambda c: c["dlite_config"].update(mask_token_id=500), "mask_token_id = 500 is invalid"),
     (lambda c: c["dlite_config"].update(sequential_head="mlp"), "only 'rnn'"),
     (lambda c: c.update(block_size=1), "block_size = 1 is invalid"),
-    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4}), "only default RoPE"),
+    (lambda c: c.update(rope_scaling={"rope_type": "longrope", "factor": 4, "long_factor": [1.0],
+                                      "short_factor": [1.0]}), "longrope (Phi-3's per-dimension factors) is not implemented"),
     (lambda c: c.pop("num_target_layers"), "lacks the dlite_v1 keys ['num_target_layers']"),
     (lambda c: c.update(dlite_config={"head_rank": 32, "target_layer_ids": [1, 2]}), "old vllm-dlite format"),
 ])

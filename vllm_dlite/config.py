@@ -15,6 +15,13 @@ Contract
   :meth:`DLiteConfig.from_checkpoint_config` reads it (tolerant of what the authors' code ignores:
   extra keys, the ``architectures`` string, ``rope_theta`` at top level or in
   ``rope_parameters``); :meth:`DLiteConfig.to_checkpoint_config` writes it.
+* **A Qwen3 key that config.json leaves out means what it means in the authors' code**, whose
+  config class is transformers 4.57's ``Qwen3Config``: :data:`QWEN3_CONFIG_DEFAULTS` (e.g. a
+  missing ``rope_theta`` is 10,000, ``head_dim`` 128, ``num_key_value_heads`` 32), not the target's
+  value. :func:`target_default_warning` says when such a default differs from the target's.
+  ``rope_scaling`` (default, linear, dynamic, yarn, llama3) and ``hidden_act`` are applied as the
+  authors' transformers applies them; what this package cannot reproduce (``longrope``, a
+  sliding window that would cut one round's keys) is refused with one message.
 * ``target_layer_ids`` are the authors' ids: 0-based decoder layers of the target, chosen by
   :func:`build_target_layer_ids` (and required to equal it). Id ``j`` is the residual stream after
   ``j+1`` layers, i.e. **vLLM aux id j+1**; the last id ``N-1`` is taken **after the target's final
@@ -31,6 +38,7 @@ No vLLM or torch import here: this module is safe to import anywhere.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -51,6 +59,110 @@ _FIX_OLD = (
     "--config configs/dlite-tiny.yaml` or use a dlite_v1 checkpoint (e.g. "
     "models/dlite-qwen3-tiny-stdlib, or the authors' SJTU-DAI-Sys/Qwen3-8B-DLite)"
 )
+
+# What a key left out of config.json means in the authors' code: the defaults of transformers
+# 4.57.1 ``Qwen3Config.__init__`` (their config class, DLITE_V1.md 1.1; TFc). ``num_key_value_heads``
+# given as null means ``num_attention_heads`` there (backward compatibility), absent means 32.
+QWEN3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "layer_types": None,
+}
+# The activations of transformers' ACT2FN that the draft MLP applies (``act(gate) * up``).
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_python",
+               "gelu_python_tanh", "quick_gelu", "relu", "relu2", "sigmoid", "tanh")
+# RoPE types applied as transformers 4.57's ROPE_INIT_FUNCTIONS does for positions below
+# max_position_embeddings (one round's local positions are < 64), and their required keys.
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# Keys whose default cannot be caught by a tensor shape, so a disagreement with the target is silent.
+_SILENT_DEFAULT_KEYS = ("rope_theta", "rms_norm_eps", "hidden_act")
+
+
+def _rope_fields(cfg: dict[str, Any]) -> tuple[Any, Optional[dict[str, Any]]]:
+    """``(rope_theta or None if absent, rope_scaling dict or None)`` of a config dict: top-level
+    ``rope_theta`` / ``rope_scaling`` (transformers 4.x, the authors'), else transformers 5's
+    ``rope_parameters``. ``rope_scaling`` is normalised to carry ``rope_type``; default -> None."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    theta = cfg["rope_theta"] if "rope_theta" in cfg else params.get("rope_theta")
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if isinstance(scaling, dict):
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.get("rope_type", scaling.pop("type", "default"))
+        scaling.pop("type", None)
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling
+
+
+def _target_value(target: Any, key: str) -> Any:
+    """``key`` of a target config (a dict or an HF config object; rope_theta also from transformers
+    5's ``rope_parameters``); None when it does not say."""
+    get = (lambda k: target.get(k)) if isinstance(target, dict) else (lambda k: getattr(target, k, None))
+    value = get(key)
+    if value is None and key == "rope_theta":
+        params = get("rope_parameters")
+        if isinstance(params, dict):
+            value = params.get("rope_theta")
+    return value
+
+
+def authors_defaults_taken(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3 keys a checkpoint's config.json leaves out, with the value the authors' code
+    (transformers 4.57 ``Qwen3Config``) gives them: what :meth:`DLiteConfig.from_checkpoint_config`
+    uses for them."""
+    theta, _ = _rope_fields(cfg)
+    taken = {k: v for k, v in QWEN3_CONFIG_DEFAULTS.items() if k not in cfg}
+    if theta is not None:
+        taken.pop("rope_theta", None)
+    if isinstance(cfg.get("rope_parameters"), dict):
+        taken.pop("rope_scaling", None)
+    return taken
+
+
+def target_default_warning(cfg: dict[str, Any], target: Any, where: str = "the DLite drafter") -> Optional[str]:
+    """One line when a key the drafter's config.json leaves out takes the authors' default but the
+    target's config says otherwise (e.g. a drafter without ``rope_theta``, which the authors' code
+    runs at 10,000, beside a target at 1e6); None when nothing disagrees. ``target``: the target's
+    config.json dict or HF config object. Shape-bearing keys are not listed: the checkpoint's
+    tensor shapes already check them."""
+    taken = authors_defaults_taken(cfg)
+    differ = []
+    for key in _SILENT_DEFAULT_KEYS:
+        if key not in taken:
+            continue
+        theirs = _target_value(target, key)
+        if theirs is not None and theirs != taken[key]:
+            differ.append((key, taken[key], theirs))
+    if not differ:
+        return None
+    said = "; ".join(f"{k} = {mine!r} (config.json leaves it out; the authors' Qwen3Config default) "
+                     f"but the target's {k} = {theirs!r}" for k, mine, theirs in differ)
+    adds = ", ".join(f'"{k}": {json.dumps(theirs)}' for k, _, theirs in differ)
+    return (f"{where} runs with {said}: this is what the authors' code does with this config.json; "
+            f"if the drafter was trained with the target's value{'s' if len(differ) > 1 else ''}, "
+            f"add {adds} to its config.json")
 
 
 def is_dlite_config(cfg: Any) -> bool:
@@ -99,6 +211,9 @@ class DLiteConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0  # RoPE on the local positions of one round
+    rope_scaling: Optional[dict[str, Any]] = None  # HF rope_scaling (with rope_type); None = default
+    max_position_embeddings: int = 32768  # read by the dynamic/yarn RoPE types only
+    hidden_act: str = "silu"  # the MLP's activation: act(gate) * up (Qwen3: SwiGLU)
     attention_bias: bool = False
     vocab_size: int  # V: the target's vocabulary (the head's own [V, r] tables)
     # target coupling
@@ -173,8 +288,30 @@ class DLiteConfig:
             fail("attention_bias", "it must be a bool", "use false (Qwen3)")
         if not isinstance(self.rms_norm_eps, (int, float)) or not self.rms_norm_eps > 0:
             fail("rms_norm_eps", "it must be > 0", "copy the target's rms_norm_eps")
-        if not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
+                or not self.rope_theta > 0:
             fail("rope_theta", "it must be > 0", "copy the target's rope_theta")
+        if self.hidden_act not in ACTIVATIONS:
+            fail("hidden_act", f"the draft MLP applies one of {list(ACTIVATIONS)}",
+                 "use the activation the drafter was trained with (Qwen3: 'silu')")
+        positive_int("max_position_embeddings", "copy the target's max_position_embeddings")
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
+            if kind == "longrope":
+                fail("rope_scaling", "longrope (Phi-3's per-dimension factors) is not implemented "
+                     "in vllm-dlite (Qwen3 extends its context with 'yarn')",
+                     "remove rope_scaling or use a drafter trained with default or yarn RoPE")
+            if kind not in ROPE_TYPES:
+                fail("rope_scaling", f"its rope_type must be one of {list(ROPE_TYPES)} (the types "
+                     "transformers 4.57 applies)", "copy the rope_scaling the drafter was trained with")
+            absent = [k for k in ROPE_TYPES[kind] if rs.get(k) is None]
+            if absent:
+                fail("rope_scaling", f"rope_type {kind!r} needs {absent}",
+                     "copy the rope_scaling the drafter was trained with")
+            if kind != "default" and not (isinstance(rs["factor"], (int, float)) and rs["factor"] > 0):
+                fail("rope_scaling", "its factor must be a number > 0",
+                     "copy the rope_scaling the drafter was trained with")
         n = self.num_target_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             fail("num_target_layers", "it must be an integer >= 2", "set the target's num_hidden_layers")
@@ -242,9 +379,9 @@ class DLiteConfig:
                              f"only '{SEQUENTIAL_HEAD}' (the gated low-rank RNN head) is defined")
         missing = [k for k in ("anchor_group_size", "chs_num_layers", "target_layer_ids",
                                "sequential_rank") if k not in block]
-        missing += [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                "intermediate_size", "vocab_size", "num_target_layers",
-                                "block_size") if k not in cfg]
+        # the two custom top-level keys have no default in the authors' code (it reads them as
+        # config attributes); every Qwen3 key has one (QWEN3_CONFIG_DEFAULTS)
+        missing += [k for k in ("num_target_layers", "block_size") if k not in cfg]
         if missing:
             raise ValueError(f"config.json lacks the dlite_v1 keys {missing}; re-export the "
                              "checkpoint with DLiteDrafter.save_pretrained")
@@ -256,27 +393,38 @@ class DLiteConfig:
             raise ValueError(f"dlite_config.chs_num_layers = {block['chs_num_layers']} but "
                              f"target_layer_ids has {len(block['target_layer_ids'] or [])} ids: "
                              "make them agree (target_layer_ids = build_target_layer_ids(N, L))")
-        scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
-        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
-        if rope_type not in (None, "default"):
-            raise ValueError(f"config.json asks for RoPE scaling {rope_type!r}: DLite's local "
-                             "positions stay below 64, so only default RoPE is supported; remove "
-                             "rope_scaling from the draft config")
-        theta = cfg.get("rope_theta")
-        if theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            theta = cfg["rope_parameters"].get("rope_theta")
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        # a Qwen3 key left out means the authors' (transformers 4.57 Qwen3Config) default
+        qwen3 = {k: cfg.get(k, default) for k, default in QWEN3_CONFIG_DEFAULTS.items()}
+        theta, scaling = _rope_fields(cfg)
+        if theta is None and "rope_theta" not in cfg:
+            theta = QWEN3_CONFIG_DEFAULTS["rope_theta"]
+        for key in ("head_dim", "rope_theta", "rms_norm_eps", "hidden_act", "hidden_size",
+                    "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if key in cfg and cfg[key] is None:
+                raise ValueError(f"config.json sets {key} to null, which the authors' code cannot "
+                                 f"run with: set {key} (remove it for the authors' default "
+                                 f"{QWEN3_CONFIG_DEFAULTS[key]!r})")
+        if qwen3["num_key_value_heads"] is None:  # Qwen3Config: explicit null -> the query heads
+            qwen3["num_key_value_heads"] = qwen3["num_attention_heads"]
+        factor = cfg.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            raise ValueError(f"config.json sets partial_rotary_factor = {factor!r}: Qwen3 rotates "
+                             "the whole head_dim (the authors' attention fails on a partial "
+                             "rotary table); remove partial_rotary_factor")
         config = cls(
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            head_dim=cfg.get("head_dim"),
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=1_000_000.0 if theta is None else theta,
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            vocab_size=cfg["vocab_size"],
+            hidden_size=qwen3["hidden_size"],
+            num_hidden_layers=qwen3["num_hidden_layers"],
+            num_attention_heads=qwen3["num_attention_heads"],
+            num_key_value_heads=qwen3["num_key_value_heads"],
+            head_dim=qwen3["head_dim"],
+            intermediate_size=qwen3["intermediate_size"],
+            rms_norm_eps=qwen3["rms_norm_eps"],
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=qwen3["max_position_embeddings"],
+            hidden_act=qwen3["hidden_act"],
+            attention_bias=bool(qwen3["attention_bias"]),
+            vocab_size=qwen3["vocab_size"],
             num_target_layers=cfg["num_target_layers"],
             target_layer_ids=block["target_layer_ids"],
             block_size=cfg["block_size"],
@@ -284,13 +432,38 @@ class DLiteConfig:
             mask_token_id=mask,
             sequential_rank=block["sequential_rank"],
         ).validate()
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act = {cfg['hidden_act']!r}: the Qwen3 draft "
-                             "layers use SwiGLU ('silu')")
-        if window is not None and window < config.num_feature_layers + config.anchor_group_size + config.num_draft_tokens:
-            raise ValueError(f"config.json sets sliding_window = {window}, smaller than one round's "
-                             "context + query: set use_sliding_window to false")
+        config._check_sliding_window(cfg)
         return config
+
+    def _check_sliding_window(self, cfg: dict[str, Any]) -> None:
+        """Refuse a sliding window that would cut one round's keys. The authors' Qwen3Config makes
+        layer i a sliding layer when ``use_sliding_window`` and i >= ``max_window_layers`` (or as
+        ``layer_types`` says); their attention then passes ``sliding_window`` on, which only
+        FlashAttention-2 applies (a two-sided band) while SDPA ignores it. A window at least one
+        round's keys (L + G + K) long changes nothing in either, so it is accepted."""
+        n = self.num_hidden_layers
+        window = cfg.get("sliding_window", QWEN3_CONFIG_DEFAULTS["sliding_window"]) \
+            if cfg.get("use_sliding_window", False) else None
+        types = cfg.get("layer_types")
+        if types is not None:
+            if not isinstance(types, list) or len(types) != n or not all(
+                    t in ("full_attention", "sliding_attention") for t in types):
+                raise ValueError(f"config.json layer_types = {types!r} must list 'full_attention' "
+                                 f"or 'sliding_attention' for each of the {n} draft layers (as the "
+                                 "authors' Qwen3Config requires): fix or remove layer_types")
+        else:
+            first = cfg.get("max_window_layers", QWEN3_CONFIG_DEFAULTS["max_window_layers"])
+            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(n)]
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        keys = self.num_feature_layers + self.anchor_group_size + self.num_draft_tokens
+        if window is not None and sliding and window < keys:
+            raise ValueError(
+                f"config.json makes draft layers {sliding} sliding-window layers with sliding_window "
+                f"= {window}, shorter than one round's {keys} keys (L + G + K): the authors' code "
+                "applies such a window only under FlashAttention-2 and ignores it under SDPA, so "
+                "the drafts it was trained for are not defined by the config; set "
+                f"use_sliding_window to false (or sliding_window >= {keys})")
 
     def to_checkpoint_config(self, target_hf_config: Optional[dict[str, Any]] = None,
                              torch_dtype: str = "bfloat16") -> dict[str, Any]:
@@ -309,11 +482,11 @@ class DLiteConfig:
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             intermediate_size=self.intermediate_size,
-            hidden_act="silu",
+            hidden_act=self.hidden_act,
             attention_bias=self.attention_bias,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
-            rope_scaling=None,
+            rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
             use_sliding_window=False,
             sliding_window=None,
             vocab_size=self.vocab_size,
@@ -331,7 +504,9 @@ class DLiteConfig:
                 "mask_token_id": self.mask_token_id,
             },
         )
-        base.setdefault("max_position_embeddings", 32768)
+        if self.rope_scaling:  # the scaled RoPE types read it
+            base["max_position_embeddings"] = self.max_position_embeddings
+        base.setdefault("max_position_embeddings", self.max_position_embeddings)
         return base
 
     def to_dict(self) -> dict[str, Any]:
@@ -341,20 +516,28 @@ class DLiteConfig:
     def for_target(cls, target_hf_config: dict[str, Any], *, num_feature_layers: int,
                    mask_token_id: int, **overrides: Any) -> "DLiteConfig":
         """Default drafter for a Qwen3 target with the authors' sizing: width, heads, MLP, eps,
-        rope_theta and vocab copied; depth ``round(0.14 N)`` (>= 1); rank ``hidden_size // 8``;
-        ``L`` layers by :func:`build_target_layer_ids`; B = 8, G = 1. Any field may be overridden."""
+        RoPE (theta, scaling), activation and vocab copied, as the authors' training builder
+        copies the target's config; depth ``round(0.14 N)`` (>= 1); rank ``hidden_size // 8``;
+        ``L`` layers by :func:`build_target_layer_ids`; B = 8, G = 1. Any field may be overridden.
+        A key the target's config leaves out means the Qwen3Config default
+        (:data:`QWEN3_CONFIG_DEFAULTS`), as it does for the target itself."""
         t = target_hf_config
+        d = QWEN3_CONFIG_DEFAULTS
         n = t["num_hidden_layers"]
-        theta = t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta") or 1_000_000.0
+        theta, scaling = _rope_fields(t)
+        kv = t.get("num_key_value_heads", d["num_key_value_heads"])
         values: dict[str, Any] = dict(
             hidden_size=t["hidden_size"],
             num_hidden_layers=max(1, round(0.14 * n)),
             num_attention_heads=t["num_attention_heads"],
-            num_key_value_heads=t.get("num_key_value_heads", t["num_attention_heads"]),
-            head_dim=t.get("head_dim"),
+            num_key_value_heads=t["num_attention_heads"] if kv is None else kv,
+            head_dim=t.get("head_dim", d["head_dim"]),
             intermediate_size=t["intermediate_size"],
-            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rms_norm_eps=t.get("rms_norm_eps", d["rms_norm_eps"]),
+            rope_theta=float(d["rope_theta"] if theta is None else theta),
+            rope_scaling=scaling,
+            max_position_embeddings=t.get("max_position_embeddings") or d["max_position_embeddings"],
+            hidden_act=t.get("hidden_act") or d["hidden_act"],
             vocab_size=t["vocab_size"],
             num_target_layers=n,
             target_layer_ids=build_target_layer_ids(n, num_feature_layers),
@@ -369,8 +552,13 @@ __all__ = [
     "ARCHITECTURE_VERSION",
     "CHECKPOINT_ARCHITECTURE",
     "DRAFT_ARCHITECTURE",
+    "ACTIVATIONS",
     "GREEDY_EPS",
+    "QWEN3_CONFIG_DEFAULTS",
+    "ROPE_TYPES",
     "DLiteConfig",
+    "authors_defaults_taken",
+    "target_default_warning",
     "build_target_layer_ids",
     "is_dlite_config",
 ]

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from vllm_dlite.config import DLiteConfig
+from vllm_dlite.config import DLiteConfig, authors_defaults_taken
 from vllm_dlite.model.drafter import DLiteDrafter
 
 CONFIG_FILE = "config.json"
@@ -34,6 +34,9 @@ INDEX_FILE = "model.safetensors.index.json"
 _WEIGHT_DTYPES = ("F32", "F16", "BF16")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FIX = "copy the checkpoint again or re-export it with save_pretrained"
+# Qwen3 keys that decide tensor shapes (a wrong default shows up as a shape mismatch)
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "vocab_size", "num_hidden_layers", "attention_bias")
 
 PathLike = Union[str, Path]
 
@@ -94,6 +97,12 @@ def weight_files(directory: PathLike) -> list[Path]:
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index} is not a safetensors index ({exc!r}); {_FIX}") from None
         files = [directory / n for n in names]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(
+                f"{directory} is incomplete: {INDEX_FILE} maps tensors to {len(files)} shard(s) and "
+                f"{absent} {'is' if len(absent) == 1 else 'are'} missing; download the checkpoint "
+                "again (every *.safetensors file the index names) or re-export it with save_pretrained")
     else:
         files = [directory / WEIGHTS_FILE]
     for f in files:
@@ -149,7 +158,7 @@ def check_checkpoint(directory: PathLike) -> DLiteConfig:
     """Check config.json and every safetensors header against each other WITHOUT reading tensor
     data: complete files, every tensor present with its shape, none unexpected, float dtypes.
     Raises one :class:`CheckpointError` naming the file(s), every problem and the fix."""
-    _, config = read_checkpoint_config(directory)
+    raw, config = read_checkpoint_config(directory)
     expected = expected_shapes(config)
     stored: dict[str, tuple[Path, dict]] = {}
     files = weight_files(directory)
@@ -172,6 +181,11 @@ def check_checkpoint(directory: PathLike) -> DLiteConfig:
         if dtype not in _WEIGHT_DTYPES:
             problems.append(f"tensor '{name}' has dtype {dtype}, expected one of {list(_WEIGHT_DTYPES)}")
     if problems:
+        taken = {k: v for k, v in authors_defaults_taken(raw).items() if k in _SHAPE_KEYS}
+        if taken:  # a left-out key means the authors' default, which the tensors may contradict
+            problems.append(f"config.json leaves out {sorted(taken)}, which the authors' code "
+                            f"(transformers 4.57 Qwen3Config) takes as {taken}: add the keys the "
+                            "drafter was trained with")
         raise CheckpointError(f"{', '.join(map(str, files))} do not match {Path(directory) / CONFIG_FILE}: "
                               + "; ".join(problems) + f"; {_FIX}")
     return config

@@ -34,6 +34,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -101,15 +102,43 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
 
+def activation(name: str):
+    """transformers' ``ACT2FN[name]`` (4.57) as a function, for the activations
+    :data:`vllm_dlite.config.ACTIVATIONS` lists (the same float operations)."""
+    def gelu_tanh_formula(x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    table = {
+        "silu": F.silu,
+        "swish": F.silu,
+        "gelu": F.gelu,
+        "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_python_tanh": gelu_tanh_formula,
+        "gelu_new": gelu_tanh_formula,
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+        "relu": F.relu,
+        "relu2": lambda x: torch.square(F.relu(x)),
+        "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh,
+    }
+    if name not in table:
+        raise ValueError(f"hidden_act {name!r} is not supported by the DLite draft MLP: use one of {sorted(table)}")
+    return table[name]
+
+
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """Qwen3's MLP: ``down(act(gate(x)) * up(x))``, ``act`` = the config's ``hidden_act`` (SiLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DraftDecoderLayer(nn.Module):
@@ -120,7 +149,7 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin)
@@ -244,7 +273,9 @@ class DLiteDrafter(nn.Module):
             Q = g + cfg.num_draft_tokens
             positions = torch.cat([torch.full((cfg.num_feature_layers,), max(g - 2, 0), device=self.device),
                                    torch.arange(Q, device=self.device)])
-            self._rope_cache[key] = ops.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype=self.dtype)
+            self._rope_cache[key] = ops.rope_cos_sin(
+                positions, cfg.head_dim, cfg.rope_theta, dtype=self.dtype, rope_scaling=cfg.rope_scaling,
+                max_position_embeddings=cfg.max_position_embeddings)
         return self._rope_cache[key]
 
     # ------------------------------------------------------------------ backbone + head
@@ -319,5 +350,6 @@ __all__ = [
     "RMSNorm",
     "SequentialHead",
     "SwiGLU",
+    "activation",
     "rms_norm",
 ]

@@ -114,7 +114,8 @@ class SWATeacher(DLiteDrafter):
             torch.full((cfg.num_feature_layers,), ctx),
             torch.arange(g + cfg.num_draft_tokens),
         ])
-        return ops.rope_cos_sin(positions.to(self.device), cfg.head_dim, cfg.rope_theta, dtype=self.dtype)
+        return ops.rope_cos_sin(positions.to(self.device), cfg.head_dim, cfg.rope_theta, dtype=self.dtype,
+                                rope_scaling=cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings)
 
     def backbone_with_history(self, features: torch.Tensor, group_ids: torch.Tensor,
                               history: Optional[torch.Tensor],

@@ -10,17 +10,96 @@ r head rank, V vocabulary.
 RoPE (Qwen3 / HF "rotate-half"): ``inv_freq[j] = theta ** (-2j / D)``,
 ``cos = cat(cos(p * inv_freq), cos(p * inv_freq))`` (same for sin), computed in fp32 and cast to
 the activation dtype before rotating (as HF does), ``rope(x) = x * cos + rotate_half(x) * sin``.
+A checkpoint's ``rope_scaling`` changes ``inv_freq`` and scales cos/sin by an attention factor
+(:func:`rope_inv_freq`, transformers 4.57's ``ROPE_INIT_FUNCTIONS``); the kernels take cos/sin as
+inputs, so they need nothing more.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import math
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 
 # ---------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    rope_scaling: Optional[dict[str, Any]] = None,
+    max_position_embeddings: int = 32768,
+    device: Optional[torch.device] = None,
+) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [D/2] fp32, attention_scaling)`` as transformers 4.57's ``Qwen3RotaryEmbedding``
+    initialises them from a config (``ROPE_INIT_FUNCTIONS[rope_type]``), for positions below
+    ``max_position_embeddings`` (dynamic NTK only rescales past it; one DLite round's positions
+    are < 64). ``rope_scaling`` None or rope_type ``default``: plain RoPE; ``linear``, ``dynamic``,
+    ``yarn``, ``llama3``: the same float operations as theirs, in the same order."""
+    dim = head_dim
+    kind = "default" if not rope_scaling else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+
+    def default() -> torch.Tensor:
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+
+    if kind == "default":
+        return default(), 1.0
+    factor = rope_scaling["factor"]
+    if kind == "linear":
+        inv_freq = default()
+        inv_freq /= factor
+        return inv_freq, 1.0
+    if kind == "dynamic":  # initialised at seq_len = max_position_embeddings
+        seq_len = max_position_embeddings
+        base = theta * (factor * seq_len / max_position_embeddings - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)), 1.0
+    if kind == "yarn":
+        attention_factor = rope_scaling.get("attention_factor")
+        mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        original = rope_scaling.get("original_max_position_embeddings") or max_position_embeddings
+
+        def get_mscale(scale, m=1):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            else:
+                attention_factor = get_mscale(factor)
+        beta_fast = rope_scaling.get("beta_fast") or 32
+        beta_slow = rope_scaling.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rope_scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = theta ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float)
+        inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+        return inv_freq, attention_factor
+    if kind == "llama3":
+        inv_freq = default()
+        low_ff, high_ff = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+        old_len = rope_scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low_ff, old_len / high_ff
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"rope_scaling rope_type {kind!r} is not supported (default, linear, dynamic, "
+                     "yarn, llama3): use a drafter trained with one of them")
+
+
 def rope_cos_sin(
     positions: Union[int, torch.Tensor],
     head_dim: int,
@@ -28,18 +107,29 @@ def rope_cos_sin(
     *,
     device: Optional[torch.device] = None,
     dtype: torch.dtype = torch.float32,
+    rope_scaling: Optional[dict[str, Any]] = None,
+    max_position_embeddings: int = 32768,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables ``(cos, sin)``, each ``[P, D]``, for ``positions`` (an int P means 0..P-1).
-    Angles in fp32 (HF's ``Qwen3RotaryEmbedding``), then cast to ``dtype``."""
+    Angles in fp32 (HF's ``Qwen3RotaryEmbedding``), times the attention factor of a scaled RoPE
+    (:func:`rope_inv_freq`) in fp32, then cast to ``dtype``."""
     if isinstance(positions, int):
         positions = torch.arange(positions, device=device)
     pos = positions.to(device=device, dtype=torch.float32).reshape(-1)  # [P]
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.int64).float() / head_dim)
-    )  # [D/2]
+    if not rope_scaling:
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.int64).float() / head_dim)
+        )  # [D/2]
+        scale = 1.0
+    else:
+        inv_freq, scale = rope_inv_freq(head_dim, theta, rope_scaling, max_position_embeddings)
+        inv_freq = inv_freq.to(pos.device)
     angles = pos[:, None] * inv_freq[None, :]  # [P, D/2]
     angles = torch.cat([angles, angles], dim=-1)  # [P, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -238,6 +328,7 @@ __all__ = [
     "head_readout",
     "head_state_update",
     "rope_cos_sin",
+    "rope_inv_freq",
     "rotate_half",
     "sequential_head",
     "sequential_head_teacher_forced",

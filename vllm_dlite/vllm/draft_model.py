@@ -25,6 +25,7 @@ them; drafting goes through :meth:`propose_drafts`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Optional
 
@@ -34,6 +35,8 @@ from torch import nn
 
 from vllm_dlite.config import GREEDY_EPS
 from vllm_dlite.model import DLiteDrafter, load_drafter, resolve_checkpoint_dir
+
+logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
 
 class DFlashDLiteDraftModel(nn.Module):
@@ -56,6 +59,7 @@ class DFlashDLiteDraftModel(nn.Module):
         device = vllm_config.device_config.device
         self.drafter: DLiteDrafter = load_drafter(directory, device=device, dtype=draft_cfg.dtype)
         self.dlite_config = self.drafter.config
+        _warn_on_defaults(directory, vllm_config.model_config)
         self.checkpoint_dir = directory
         self.prefix = prefix
 
@@ -169,6 +173,23 @@ class DFlashDLiteDraftModel(nn.Module):
         """Weights were loaded by ``load_drafter`` in ``__init__`` (the one loader); vLLM's
         iterator is not consumed (it would read the files a second time)."""
         return {name for name, _ in self.named_parameters()}
+
+
+def _warn_on_defaults(directory, target_model_config) -> Optional[str]:
+    """Log one warning when a key the drafter's config.json leaves out takes the authors' default
+    (transformers 4.57 ``Qwen3Config``) while the target's config says otherwise (e.g. rope_theta
+    10,000 beside the target's 1e6). Returns the message (None when nothing disagrees)."""
+    from vllm_dlite.config import target_default_warning
+    from vllm_dlite.model import read_checkpoint_config
+
+    target = getattr(target_model_config, "hf_text_config", None) or getattr(target_model_config, "hf_config", None)
+    if target is None:
+        return None
+    message = target_default_warning(read_checkpoint_config(directory)[0], target,
+                                     where=f"the DLite drafter {directory}")
+    if message:
+        logger.warning("%s", message)
+    return message
 
 
 def _full_weight(module: Optional[nn.Module], name: str) -> torch.Tensor:
