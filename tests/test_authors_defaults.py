@@ -109,6 +109,14 @@ def test_transformers5_rope_parameters_carry_theta_and_scaling():
     assert "rope_theta" not in authors_defaults_taken(cfg)
 
 
+def test_a_transformers5_dict_with_null_rope_theta_and_partial_factor_reads_rope_parameters():
+    """What vLLM hands the plugin: transformers 5's ``to_dict()`` of the draft config."""
+    cfg = full_config(rope_theta=None, partial_rotary_factor=None,
+                      rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"})
+    config = DLiteConfig.from_checkpoint_config(cfg)
+    assert config.rope_theta == 1000000.0 and config.rope_scaling is None
+
+
 @pytest.mark.parametrize("key", ["head_dim", "rope_theta", "hidden_act", "rms_norm_eps"])
 def test_null_where_the_authors_code_cannot_run_is_one_error(key):
     with pytest.raises(ValueError, match=f"config.json sets {key} to null.*set {key}"):

@@ -103,7 +103,9 @@ def _rope_fields(cfg: dict[str, Any]) -> tuple[Any, Optional[dict[str, Any]]]:
     ``rope_theta`` / ``rope_scaling`` (transformers 4.x, the authors'), else transformers 5's
     ``rope_parameters``. ``rope_scaling`` is normalised to carry ``rope_type``; default -> None."""
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    theta = cfg["rope_theta"] if "rope_theta" in cfg else params.get("rope_theta")
+    theta = cfg.get("rope_theta")
+    if theta is None:
+        theta = params.get("rope_theta")
     scaling = cfg.get("rope_scaling")
     if scaling is None and params:
         scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
@@ -400,14 +402,16 @@ class DLiteConfig:
             theta = QWEN3_CONFIG_DEFAULTS["rope_theta"]
         for key in ("head_dim", "rope_theta", "rms_norm_eps", "hidden_act", "hidden_size",
                     "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if key == "rope_theta" and theta is not None:
+                continue  # null at top level, given in transformers 5's rope_parameters
             if key in cfg and cfg[key] is None:
                 raise ValueError(f"config.json sets {key} to null, which the authors' code cannot "
                                  f"run with: set {key} (remove it for the authors' default "
                                  f"{QWEN3_CONFIG_DEFAULTS[key]!r})")
         if qwen3["num_key_value_heads"] is None:  # Qwen3Config: explicit null -> the query heads
             qwen3["num_key_value_heads"] = qwen3["num_attention_heads"]
-        factor = cfg.get("partial_rotary_factor", 1.0)
-        if factor != 1.0:
+        factor = cfg.get("partial_rotary_factor")
+        if factor is not None and factor != 1.0:
             raise ValueError(f"config.json sets partial_rotary_factor = {factor!r}: Qwen3 rotates "
                              "the whole head_dim (the authors' attention fails on a partial "
                              "rotary table); remove partial_rotary_factor")
