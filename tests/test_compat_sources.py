@@ -73,6 +73,11 @@ MUTATIONS = [
      "v2 runner", "init_speculator: signature", ("0.32.0", "0.33.0")),
     ("module attribute", "triton_utils/dispatcher.py", _rename_all("_registry", "_kernels"),
      "cpu fixes", "dispatcher._registry: not defined", ("0.32.0", "0.33.0")),
+    ("function", "v1/worker/gpu/spec_decode/speculator_config.py",
+     _rename_all("def register_speculative_method(", "def register_method("), "v2 registry",
+     "register_speculative_method: not defined", ("0.34.0",)),
+    ("protocol", "v1/worker/gpu/spec_decode/__init__.py", _rename_all("speculator_class", "impl_class"),
+     "v2 registry", "does not use speculator_class", ("0.34.0",)),
 ]
 CASES = [pytest.param(version, *m[1:5], id=f"{version}-{m[3]}-{m[0]}-{i}")
          for i, m in enumerate(MUTATIONS) for version in m[5]]
@@ -110,3 +115,26 @@ def test_a_renamed_symbol_fails_its_group(copies, version, path, mutate, group, 
     assert any(named in p for p in after[group]), after[group]
     # nothing else became unavailable
     assert {g for g, p in after.items() if p} - {g for g, p in before.items() if p} == {group}
+
+
+def test_the_0_34_registry_adapter_fits_0_34():
+    """``registry_v034`` (not importable here: it imports 0.34's config modules) read as source:
+    what it imports exists in 0.34, and every name its config class sets or overrides is one that
+    0.34's DFlashSpeculatorConfig (or its bases) declares, so nothing it sets is silently ignored."""
+    import ast
+
+    import vllm_dlite.vllm
+
+    tree = SourceTree(source_root("0.34.0"))
+    module = ast.parse(Path(vllm_dlite.vllm.__file__).with_name("registry_v034.py").read_text())
+    imports = [(n.module, a.name) for n in ast.walk(module) if isinstance(n, ast.ImportFrom)
+               and (n.module or "").startswith("vllm.") for a in n.names]
+    assert imports, "registry_v034 imports nothing from vLLM?"
+    for mod, name in imports:
+        assert tree.lookup(mod, name) is not None, f"{mod}.{name} is not in vLLM 0.34"
+    ours = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "DLiteSpeculatorConfig")
+    base_module, base = tree.lookup("vllm.v1.worker.gpu.spec_decode.dflash.config", "DFlashSpeculatorConfig")
+    declared = tree.class_names(base_module, base)
+    overridden = {n.name for n in ours.body if isinstance(n, ast.FunctionDef)} | {
+        t.id for n in ours.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    assert overridden and overridden <= declared, sorted(overridden - declared)

@@ -205,15 +205,36 @@ CPU_FIXES = Group("cpu fixes", "the vLLM CPU fixes (docs/vllm-cpu-fixes.md)", ne
     Need("v1.worker.gpu_input_batch", "InputBatch", attrs=("generators", "num_reqs")),
 ))
 
-GROUPS: tuple[Group, ...] = (CORE, V1_RUNNER, V1_ADAPTIVE, V2_RUNNER, CPU_FIXES)
+V2_REGISTRY = Group("v2 registry", "\"dlite\" through vLLM's speculator registry (0.34+, vllm_dlite.vllm.registry_v034)",
+                    needs=(
+    Need("v1.worker.gpu.spec_decode.speculator_config", "register_speculative_method", ("name, config_cls",),
+         use="called: registers \"dlite\""),
+    Need("v1.worker.gpu.spec_decode.speculator_config", "SpeculatorConfig",
+         attrs=("base_method", "speculator_class", "supports_watermarking", "matches", "num_lookahead_tokens",
+                "max_num_draft_seqs", "num_speculative_tokens"),
+         use="the ClassVars / hooks DLiteSpeculatorConfig sets or overrides"),
+    Need("v1.worker.gpu.spec_decode.speculator_config", "SpeculatorConfig.max_num_draft_seqs",
+         ("self, max_num_batched_tokens",)),
+    Need("v1.worker.gpu.spec_decode.speculator_config", "SpeculatorConfig.matches", ("cls, spec",)),
+    Need("v1.worker.gpu.spec_decode.dflash.config", "DFlashSpeculatorConfig", attrs=("base_method",),
+         use="subclassed: DLiteSpeculatorConfig"),
+    Need("v1.worker.gpu.spec_decode", "init_speculator", ("vllm_config, device, req_states",),
+         uses=("speculator_class", "req_states"),
+         use="protocol: builds speculator_class, passing req_states when its constructor takes it"),
+))
+
+GROUPS: tuple[Group, ...] = (CORE, V1_RUNNER, V1_ADAPTIVE, V2_RUNNER, CPU_FIXES, V2_REGISTRY)
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 
 # What holds on each release (checked against the wheels' sources by tests/test_compat_sources.py;
 # a change in vLLM or in GROUPS that alters this fails that test, so this table stays true).
+_HOOKED = frozenset(g.name for g in GROUPS) - {V2_REGISTRY.name}
 KNOWN_GROUPS: dict[str, frozenset[str]] = {
-    "0.32.0": frozenset(g.name for g in GROUPS),
-    "0.33.0": frozenset(g.name for g in GROUPS),
-    "0.34.0": frozenset({"core"}),  # no Model Runner V1; V2's CudaGraphManager takes decode_query_lens
+    "0.32.0": _HOOKED,
+    "0.33.0": _HOOKED,
+    # no Model Runner V1; V2's CudaGraphManager takes decode_query_lens and draft_logits is a
+    # DraftLogitsCache (ADAPTERS): the V2 speculator is not adapted yet
+    "0.34.0": frozenset({CORE.name, V2_REGISTRY.name}),
 }
 
 
@@ -256,6 +277,17 @@ ADAPTERS: tuple[Adapter, ...] = (
     Adapter("hf_config_override forwards every argument", ("0.33", "0.34"),
             "vLLM calls SpeculativeConfig.hf_config_override(hf_config, transformers_mtp_overrides=...); "
             "the plugin's replacement (plugin.dlite_hf_config_override) passes *args/**kwargs through"),
+    Adapter("hooks by group", ("0.34",),
+            "0.34 has no Model Runner V1: the V1 proposer, the adaptive/hybrid hooks and the CPU fixes are "
+            "not installed (their groups do not hold); dlite-adaptive / dlite-hybrid are refused with one message"),
+    Adapter("speculator registry", ("0.34",),
+            "registry_v034.DLiteSpeculatorConfig registered with register_speculative_method (group 'v2 registry'), "
+            "replacing the init_speculator wrapper and the dlite -> dflash mapping; registered only where "
+            "'v2 runner' holds too"),
+    Adapter("V2 speculator on 0.34 (TODO, speculator_v2.py)", ("0.34",),
+            "CudaGraphManager(..., decode_query_lens: Mapping[int, int]) instead of decode_query_len; "
+            "DraftModelSpeculator.draft_logits is a DraftLogitsCache (write .values): until DLiteSpeculator "
+            "handles both, 'v2 runner' does not hold on 0.34 and DLite stays off there"),
 )
 
 
@@ -490,6 +522,6 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[Signature, ...]]], ...] = 
     (n.module, n.path, n.signatures or None) for g in GROUPS for n in g.needs if not n.external)
 
 
-__all__ = ["ADAPTERS", "CORE", "CPU_FIXES", "GROUPS", "KNOWN_GROUPS", "group_off_message", "holding_groups", "PRIVATE_SYMBOLS", "SUPPORTED_VLLM_SERIES",
+__all__ = ["ADAPTERS", "CORE", "CPU_FIXES", "GROUPS", "V2_REGISTRY", "KNOWN_GROUPS", "group_off_message", "holding_groups", "PRIVATE_SYMBOLS", "SUPPORTED_VLLM_SERIES",
            "V1_ADAPTIVE", "V1_RUNNER", "V2_RUNNER", "Group", "Need", "check", "check_need", "format_signature",
            "group_problems", "installed_version", "resolve", "series_of", "supported", "unsupported_message"]

@@ -89,7 +89,18 @@ def register() -> None:
     _install_runner_hooks(groups)
     if compat.CPU_FIXES.name in groups:
         cpu_fixes.install()
+    if registry_in_use(groups):
+        from vllm_dlite.vllm import registry_v034
+
+        registry_v034.register()
     _registered = True
+
+
+def registry_in_use(groups: Optional[frozenset[str]] = None) -> bool:
+    """Whether ``"dlite"`` is a method of vLLM's speculator registry here (0.34+, with the V2
+    speculator's internals in place): then it stays ``"dlite"`` instead of becoming ``"dflash"``."""
+    groups = compat.holding_groups() if groups is None else groups
+    return compat.V2_REGISTRY.name in groups and compat.V2_RUNNER.name in groups
 
 
 def _guard_dlite_method() -> None:
@@ -339,7 +350,8 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
             f'"dlite-hybrid", not {method!r}')
     if mode is not None:  # validated now; carried to the workers by the engine-args wrapper
         out[adaptive.ADDITIONAL_CONFIG_KEY] = adaptive.AdaptiveOptions.from_dict(mode, options).to_dict()
-    out["method"] = VLLM_METHOD
+    # 0.34+: the registered "dlite" (registry_v034); before: vLLM's parallel-drafting path
+    out["method"] = DLITE_METHOD if registry_in_use() else VLLM_METHOD
     out["model"] = str(directory) if Path(str(model)).exists() else model
     if out.get("num_speculative_tokens") is None:
         out["num_speculative_tokens"] = cfg.num_draft_tokens
@@ -492,7 +504,7 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
     """Applies a hook right after one of the modules in ``_HOOKS`` finishes importing."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _HOOKS:
+        if fullname not in _HOOKS or fullname in _DISABLED_HOOKS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -528,13 +540,14 @@ _HOOK_GROUPS: dict[str, str] = {
 }
 
 
+_DISABLED_HOOKS: set[str] = set()
+
+
 def _install_runner_hooks(groups: Optional[frozenset[str]] = None) -> None:
     groups = compat.holding_groups() if groups is None else groups
-    for name, group in _HOOK_GROUPS.items():
-        if group not in groups:
-            _HOOKS.pop(name, None)
+    _DISABLED_HOOKS.update(name for name, group in _HOOK_GROUPS.items() if group not in groups)
     for name, hook in _HOOKS.items():
-        if name in sys.modules:
+        if name in sys.modules and name not in _DISABLED_HOOKS:
             hook(sys.modules[name])
     if not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportHook())
