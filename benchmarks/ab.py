@@ -14,6 +14,8 @@ Contract:
 * ``dlite-adaptive`` / ``dlite-hybrid`` (``vllm_dlite.vllm.adaptive``) use the ``--dlite`` drafter;
   their results add ``drafting_by_concurrency`` (the proposer's accepted/proposed tokens per
   source, rounds by phase, the measured cost model) and a table in ``results.md``;
+* ``--runner v1|v2``: vLLM's model runner (V2 on CPU through Triton's interpreter,
+  ``lab.harness.runners``; the engine's real runner is checked and recorded in the settings);
 * each method runs in a FRESH vLLM engine, in a fresh process, per concurrency level
   (``max_num_seqs`` = 1, 4, 16 by default) with the same K, temperature, max tokens, dtype, seed
   and max model length;
@@ -156,9 +158,11 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
     for c in args.concurrency:
         opts = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, max_num_seqs=c,
                     temperature=args.temperature, max_tokens=args.max_tokens,
-                    tensor_parallel_size=args.tensor_parallel_size)
+                    tensor_parallel_size=args.tensor_parallel_size, runner=args.runner)
         try:
             res = replay_in_fresh_process(args.target, spec, prompts, opts)
+            if res["runner"] != args.runner:
+                raise RuntimeError(f"--runner {args.runner}: the engine used Model Runner {res['runner']}")
         except Exception as exc:  # noqa: BLE001 - reported in the results, not swallowed
             traceback.print_exc()
             print(f"[{method}] failed at concurrency {c}: {exc!r}", flush=True)
@@ -222,7 +226,7 @@ def combine_repeats(runs: list[dict]) -> dict:
 
 SAME_RUN_KEYS = ("workload", "target", "k", "temperature", "max_tokens", "dtype", "seed", "concurrency",
                  "tensor_parallel_size", "num_requests", "prompt_tokens_min", "prompt_tokens_max", "max_model_len",
-                 "device")
+                 "device", "runner")
 
 
 def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dict, dict, dict]:
@@ -232,8 +236,8 @@ def previous_results(out: Path, settings: dict, methods: list[str]) -> tuple[dic
     if not res_path.is_file():
         return {}, {}, {}
     old = json.loads(res_path.read_text())
-    diff = {k: (old["settings"].get(k), settings.get(k)) for k in SAME_RUN_KEYS
-            if old["settings"].get(k) != settings.get(k)}
+    earlier = {"runner": "v1", **old["settings"]}  # runs before --runner existed used V1
+    diff = {k: (earlier.get(k), settings.get(k)) for k in SAME_RUN_KEYS if earlier.get(k) != settings.get(k)}
     if diff:
         raise SystemExit(f"--merge: {res_path} was measured with other settings {diff}; "
                          "rerun every method, or write to another --out")
@@ -250,7 +254,8 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
              f"max {settings['max_tokens']} new tokens, dtype {settings['dtype']}, "
              f"{settings['num_requests']} requests ({settings['prompt_tokens_min']}-"
              f"{settings['prompt_tokens_max']} prompt tokens), device {settings['device']}, "
-             f"tensor parallel {settings.get('tensor_parallel_size', 1)}"
+             f"tensor parallel {settings.get('tensor_parallel_size', 1)}, "
+             f"vLLM Model Runner {settings.get('runner', 'v1').upper()}"
              + (f", {settings['repeats']} passes (tok/s: median (min-max), methods interleaved)"
                 if settings.get("repeats", 1) > 1 else "") + ".", "",
              "| method | tau | per-position acceptance | "
@@ -374,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                    help="vLLM model runner; v2 on CPU runs through Triton's interpreter (lab.harness.runners): "
+                         "slow, and draft rounds are timed on v1 only")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated max_num_seqs levels")
     ap.add_argument("--max-prompt-tokens", type=int, default=16384,
                     help="skip longer prompts; up to the target's context minus --max-tokens, K and 8 "
@@ -441,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [r.prompt_token_ids for r in requests]
     settings = dict(
         workload=args.workload, target=args.target, k=args.k, temperature=args.temperature,
-        max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed, concurrency=args.concurrency,
+        max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed, runner=args.runner, concurrency=args.concurrency,
         tensor_parallel_size=args.tensor_parallel_size, repeats=args.repeats,
         num_requests=len(prompts), prompt_tokens_min=min(map(len, prompts)),
         prompt_tokens_max=max(map(len, prompts)), max_model_len=args.max_model_len,

@@ -364,7 +364,9 @@ def run_method(args, method: str, sessions: list[list[Turn]]) -> dict:
     except MethodUnavailable as exc:
         print(f"[{method}] unavailable: {exc}", flush=True)
         return {"status": "unavailable", "reason": str(exc)}
-    env = {**cpu_env(4, threads=1, environ=os.environ),
+    from lab.harness.runners import runner_env, runner_from_log
+
+    env = {**cpu_env(4, threads=1, environ=os.environ), **runner_env(args.runner),
            "VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache between concurrency levels
     levels, outputs = {}, {}
     t_start = time.time()
@@ -372,7 +374,10 @@ def run_method(args, method: str, sessions: list[list[Turn]]) -> dict:
         with VLLMServer(args.target, *server_flags(args, spec), env=env, timeout_s=args.server_timeout_s,
                         log_path=args.out / f"server-{method}.log") as server:
             startup_s = time.time() - t_start
-            print(f"[{method}] server up in {startup_s:.0f} s", flush=True)
+            used = runner_from_log(server.log_path.read_text(errors="replace"))
+            if used != args.runner:
+                raise RuntimeError(f"--runner {args.runner}: the server used Model Runner {used}")
+            print(f"[{method}] server up in {startup_s:.0f} s (Model Runner {used})", flush=True)
             warm = sessions[0][:1]
             asyncio.run(run_level(server.base_url, args.target, [warm], 1, 4, args.timeout_s))
             for c in args.concurrency:
@@ -552,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per turn")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                    help="vLLM model runner; v2 on CPU runs through Triton's interpreter (lab.harness.runners): slow")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="servers without vLLM's model compilation (faster start-up; the suite's smoke run)")
     ap.add_argument("--parallel-methods", action="store_true",
@@ -603,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(
         workload=args.workload, target=args.target, k=args.k, temperature=0.0, max_tokens=args.max_tokens,
-        dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
+        dtype=args.dtype, seed=args.seed, runner=args.runner, enforce_eager=args.enforce_eager,
         parallel_methods=args.parallel_methods, concurrency=args.concurrency, repeats=args.repeats,
         sessions=len(sessions), max_turns=args.max_turns or None, turns=len(lengths), prompt_tokens_min=min(lengths),
         prompt_tokens_max=max(lengths), max_model_len=args.max_model_len,

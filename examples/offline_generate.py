@@ -26,8 +26,10 @@ def main() -> None:
     ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
     ap.add_argument("--drafter", default=str(REPO / "models/dlite-qwen3-tiny-stdlib"))
     ap.add_argument("--workload", default=str(REPO / "benchmarks/workloads/heldout_agentic.jsonl"))
-    ap.add_argument("--methods", default="none,dlite,dlite-adaptive,dlite-hybrid",
-                    help="comma-separated: none,dlite,dlite-adaptive,dlite-hybrid,ngram,eagle3,dflash")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated: none,dlite,dlite-adaptive,dlite-hybrid,ngram,eagle3,dflash (default: "
+                         "none,dlite,dlite-adaptive,dlite-hybrid on v1; none,dlite on v2, which refuses the "
+                         "adaptive methods)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-prompt-tokens", type=int, default=8192)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -36,8 +38,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="shard the target over N workers (on CPU each rank is pinned to its own cores)")
+    ap.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                    help="vLLM model runner (v2 on CPU runs through Triton's interpreter: slow, tiny models)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
+    if args.methods is None:
+        args.methods = "none,dlite,dlite-adaptive,dlite-hybrid" if args.runner == "v1" else "none,dlite"
 
     from transformers import AutoTokenizer
 
@@ -60,8 +66,8 @@ def main() -> None:
 
     opts = dict(dtype=args.dtype, max_model_len=args.max_prompt_tokens + args.max_tokens + 64, seed=0,
                 max_num_seqs=args.max_num_seqs, temperature=0.0, max_tokens=args.max_tokens,
-                tensor_parallel_size=args.tensor_parallel_size)
-    results, drafting = {}, {}
+                tensor_parallel_size=args.tensor_parallel_size, runner=args.runner)
+    results, drafting, used = {}, {}, set()
     for method in args.methods.split(","):
         drafter = args.drafter if method.startswith("dlite") else None
         try:
@@ -72,11 +78,13 @@ def main() -> None:
         # each engine in its own process; one warm-up request outside the timed replay
         res = replay_in_fresh_process(args.target, spec, prompts, opts)
         results[method] = RunResult(**res["summary"], outputs=res["outputs"])
+        used.add(res["runner"])
         if res.get("drafting"):
             drafting[method] = res["drafting"]
 
     base = results.get("none")
-    print(f"\n{'method':14} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'ITL ms':>8} {'KV pool':>10}  identical  per-position acceptance")
+    print(f"\nvLLM Model Runner {'/'.join(sorted(used)).upper() or '-'} (asked: {args.runner.upper()}), CPU")
+    print(f"{'method':14} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'ITL ms':>8} {'KV pool':>10}  identical  per-position acceptance")
     for method, r in results.items():
         same = "-" if base is None or method == "none" else ("yes" if r.outputs == base.outputs else "NO")
         speed = f"{r.output_tokens_per_s / base.output_tokens_per_s:.2f}x" if base else "-"

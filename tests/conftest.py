@@ -1,9 +1,11 @@
 """Shared fixtures: the shipped tiny target + DLite drafter replayed through vLLM once per session.
 
 ``shipped_requests``: 8 held-out agentic + 8 held-out code turns (prompts <= 3,072 tokens).
-``shipped_replays``: those prompts through a fresh vLLM engine (fresh process; fp32, greedy, K = 7,
-48 new tokens, ``max_num_seqs`` 4) without speculation (``"none"``) and with DLite (``"dlite"``),
-as ``{summary, outputs, draft_rounds}`` from ``replay_in_fresh_process``. The two engines run side
+``runner``: the vLLM model runner under test, ``v1`` and ``v2`` (module-scoped parameter).
+``shipped_replays``: those prompts through a fresh vLLM engine on that runner (fresh process; fp32,
+greedy, K = 7, 48 new tokens, ``max_num_seqs`` 4) without speculation (``"none"``) and with DLite
+(``"dlite"``), as ``{summary, outputs, draft_rounds, runner}`` from ``replay_in_fresh_process``;
+computed once per runner per session (:func:`shipped_replays_on`). The two engines run side
 by side, each in its own process (one OpenMP thread each; their start-up, mostly vLLM's
 single-threaded model compilation, then overlaps on two cores; nothing compared depends on timing). Used by
 ``test_shipped_models.py`` and, as the TP=1 reference, by ``test_tensor_parallel.py``.
@@ -22,8 +24,10 @@ SHIPPED_MAX_PROMPT_TOKENS = 3072
 SHIPPED_REQUESTS_PER_KIND = 8
 
 
-def replay_shipped(prompts: list[list[int]], method: str, tensor_parallel_size: int = 1) -> dict:
-    """One fresh engine over the shipped target (``method`` = none / dlite), in its own process."""
+def replay_shipped(prompts: list[list[int]], method: str, tensor_parallel_size: int = 1,
+                   runner: str = "v1") -> dict:
+    """One fresh engine over the shipped target (``method`` = none / dlite), in its own process set
+    up for ``runner``."""
     import helpers_vllm as H
 
     from lab.harness.replay import replay_in_fresh_process
@@ -34,9 +38,33 @@ def replay_shipped(prompts: list[list[int]], method: str, tensor_parallel_size: 
         env["VLLM_CPU_OMP_THREADS_BIND"] = ""  # the engine builder pins one core group per rank
     opts = dict(dtype="float32", max_model_len=SHIPPED_MAX_PROMPT_TOKENS + SHIPPED_MAX_TOKENS + 16, seed=0,
                 max_num_seqs=4, temperature=0.0, max_tokens=SHIPPED_MAX_TOKENS,
-                tensor_parallel_size=tensor_parallel_size, env=env)
+                tensor_parallel_size=tensor_parallel_size, env=env, runner=runner)
     spec = speculative_config(method, SHIPPED_K, DRAFTER_DIR)
     return replay_in_fresh_process(TARGET_DIR, spec, prompts, opts)
+
+
+_SHIPPED_REPLAYS: dict[str, dict] = {}
+
+
+def shipped_replays_on(runner: str, shipped_requests) -> dict:
+    """``{"none": ..., "dlite": ...}`` replays of ``shipped_requests`` on ``runner``, once per session
+    (the two engines side by side, each in its own process)."""
+    if runner not in _SHIPPED_REPLAYS:
+        from concurrent.futures import ThreadPoolExecutor
+
+        prompts = [r.prompt_token_ids for r in shipped_requests]
+        methods = ("none", "dlite")
+        with ThreadPoolExecutor(len(methods)) as pool:
+            runs = [pool.submit(replay_shipped, prompts, method, 1, runner) for method in methods]
+            _SHIPPED_REPLAYS[runner] = {method: run.result() for method, run in zip(methods, runs)}
+    return _SHIPPED_REPLAYS[runner]
+
+
+@pytest.fixture(scope="module", params=("v1", "v2"))
+def runner(request):
+    """The vLLM model runner under test: ``v1`` in the test process, ``v2`` in fresh processes set up
+    by :mod:`lab.harness.runners` (Model Runner V2 through Triton's interpreter on this CPU)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")
@@ -51,15 +79,10 @@ def shipped_requests():
                          max_requests_per_kind=SHIPPED_REQUESTS_PER_KIND)
 
 
-@pytest.fixture(scope="session")
-def shipped_replays(shipped_requests):
+@pytest.fixture(scope="module")
+def shipped_replays(shipped_requests, runner):
+    """The shipped replays on the runner under test (:func:`shipped_replays_on`)."""
     pytest.importorskip("vllm")
     if not (DRAFTER_DIR / "model.safetensors").exists():
         pytest.skip("no shipped drafter (models/dlite-qwen3-tiny-stdlib)")
-    from concurrent.futures import ThreadPoolExecutor
-
-    prompts = [r.prompt_token_ids for r in shipped_requests]
-    methods = ("none", "dlite")
-    with ThreadPoolExecutor(len(methods)) as pool:
-        runs = [pool.submit(replay_shipped, prompts, method) for method in methods]
-        return {method: run.result() for method, run in zip(methods, runs)}
+    return shipped_replays_on(runner, shipped_requests)

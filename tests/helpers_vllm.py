@@ -301,6 +301,7 @@ class RunResult:
     num_gpu_blocks: int
     drafter_types: list[str]
     records: list[dict]  # one per DLite drafting call (features, anchors, drafts, temperatures)
+    runner: str = "v1"  # the model runner the engine's workers used ("v1" / "v2")
 
 
 def run_llm(
@@ -309,15 +310,28 @@ def run_llm(
     sampling_params,
     speculative_config: Optional[dict] = None,
     record: bool = False,
+    runner: str = "v1",
     **llm_kwargs,
 ) -> RunResult:
-    """One in-process ``LLM`` run (fp32, eager, small KV pool); returns outputs and metrics.
+    """One ``LLM`` run (fp32, eager, small KV pool, engine in the calling process); returns outputs
+    and metrics.
 
+    ``runner="v1"`` runs in this process (which must not have Model Runner V2 set up);
+    ``runner="v2"`` runs in a process set up by :mod:`lab.harness.runners` (Model Runner V2
+    through Triton's interpreter on CPU; one such process serves every V2 run of the test session),
+    unless this process already is one.
     ``record=True`` wraps ``DFlashDLiteDraftModel.propose_drafts`` to keep every drafting call's
-    inputs and outputs (in-process engine only).
+    inputs and outputs.
     """
     import gc
 
+    from lab.harness.runners import call_with_runner, current_runner, runner_of
+
+    if runner != current_runner():
+        if runner == "v1":
+            raise RuntimeError("run_llm(runner='v1') in a process set up for Model Runner V2")
+        return call_with_runner(runner, "helpers_vllm:run_llm", target, prompts, sampling_params,
+                                speculative_config, record, runner, fresh=False, **llm_kwargs)
     apply_vllm_env()
     torch.set_num_threads(1)
     from vllm import LLM
@@ -371,7 +385,8 @@ def run_llm(
                                 or getattr(worker.model_runner, "speculator", None)).__name__  # V2
         )
         return RunResult(
-            [list(o.outputs[0].token_ids) for o in outs], metrics, blocks, drafter_types, records
+            [list(o.outputs[0].token_ids) for o in outs], metrics, blocks, drafter_types, records,
+            runner_of(llm),
         )
     finally:
         DFlashDLiteDraftModel.propose_drafts = original

@@ -29,6 +29,16 @@ def test_merge_keeps_earlier_methods_not_rerun(tmp_path):
     assert earlier["command"] == SETTINGS["command"]  # named in the merged run's results
 
 
+def test_merge_of_a_run_from_before_the_runner_was_recorded_takes_it_as_v1(tmp_path):
+    _earlier_run(tmp_path / "run")
+    old = json.loads((tmp_path / "run" / "results.json").read_text())
+    old["settings"].pop("runner")
+    (tmp_path / "run" / "results.json").write_text(json.dumps(old))
+    ab.previous_results(tmp_path / "run", dict(SETTINGS, runner="v1"), ["dlite"])  # same settings: kept
+    with pytest.raises(SystemExit, match="runner"):
+        ab.previous_results(tmp_path / "run", dict(SETTINGS, runner="v2"), ["dlite"])
+
+
 def test_merge_refuses_other_settings(tmp_path):
     _earlier_run(tmp_path / "run")
     with pytest.raises(SystemExit, match="max_tokens"):
@@ -90,7 +100,7 @@ def test_max_prompt_tokens_over_the_target_context_fails_before_any_engine(tmp_p
 def test_markdown_has_the_bucket_table_and_tolerates_merged_methods_without_it(tmp_path):
     records = [_rec(100, [1, 1, 0, 2]), _rec(3000, [0, 2, 0, 0])]
     settings = dict(SETTINGS, workload="w.jsonl", target="t", k=3, temperature=0.0, max_tokens=8, dtype="float32",
-                    num_requests=2, prompt_tokens_min=100, prompt_tokens_max=3000, device="cpu")
+                    num_requests=2, prompt_tokens_min=100, prompt_tokens_max=3000, device="cpu", runner="v2")
     ok = dict(status="ok", tau=2.0, tau_per_position=[0.5], by_concurrency={"1": {"output_tokens_per_s": 1.0}},
               mean_itl_ms=1.0, kv_pool_tokens=10, draft_ms_by_context={})
     results = {"none": dict(ok, tau=None, tau_per_position=[]),  # merged from a run without the table
@@ -98,6 +108,7 @@ def test_markdown_has_the_bucket_table_and_tolerates_merged_methods_without_it(t
                              per_request_tau=ab.per_request_tau(records))}
     ab.write_markdown(tmp_path / "r.md", settings, results, [1])
     md = (tmp_path / "r.md").read_text()
+    assert "vLLM Model Runner V2" in md
     assert "| dlite | 0-2k | 1 | 4 | 2.75 | 0.75 0.50 0.50 |" in md
     assert "| dlite | 8k-32k | 0 | 0 | - | - |" in md
     assert "| none | - | - | - | - | not recorded |" in md

@@ -6,7 +6,9 @@ offline, no draft KV, and the OpenAI server with ``/metrics``.
 * vLLM's tau (``1 + accepted / drafts`` from its spec-decode counters) agrees with the offline
   estimator (``vllm_dlite.train.offline_eval``: HF target, one request at a time) within 5% on the same
   prompts and lengths;
-* the KV pool with DLite equals the pool without speculation.
+* the KV pool with DLite equals the pool without speculation;
+* each on Model Runner V1 and V2 (``runner``, ``conftest.py``), and V2 makes the same drafts and
+  acceptances as V1 on the same turns.
 
 The serve example (``vllm serve`` with ``--speculative-config``, a chat completion with tools,
 ``/metrics``) runs in ``test_tensor_parallel.py`` with the target on two workers, and the server
@@ -34,10 +36,11 @@ pytestmark = pytest.mark.skipif(not (DRAFTER_DIR / "model.safetensors").exists()
 
 
 @pytest.mark.slow
-def test_lossless_greedy_on_agentic_and_code_turns(shipped_requests, shipped_replays):
+def test_lossless_greedy_on_agentic_and_code_turns(shipped_requests, shipped_replays, runner):
     kinds = [r.kind for r in shipped_requests]
     assert sorted(kinds) == ["agentic"] * REQUESTS_PER_KIND + ["code"] * REQUESTS_PER_KIND
     runs = shipped_replays
+    assert runs["none"]["runner"] == runs["dlite"]["runner"] == runner
     for req, base, spec in zip(shipped_requests, runs["none"]["outputs"], runs["dlite"]["outputs"]):
         assert spec == base, f"{req.session_id}#{req.turn}: DLite changed the greedy output"
     assert runs["dlite"]["summary"]["num_drafts"] > 0
@@ -67,3 +70,19 @@ def test_vllm_tau_matches_offline_estimator(shipped_requests, shipped_replays):
     print(f"tau vLLM {tau_vllm:.4f} ({dlite['num_drafts']} drafts), offline {tau_offline:.4f} "
           f"({rounds} rounds), per-position vLLM {[round(x, 3) for x in dlite['tau_per_position']]}")
     assert abs(tau_vllm - tau_offline) <= 0.05 * tau_offline, (tau_vllm, tau_offline)
+
+
+@pytest.mark.slow
+def test_v2_drafts_and_accepts_as_v1(shipped_requests):
+    """Greedy: both runners verify the same drafts (the drafter sees the same features and tokens),
+    so the draft count, accepted tokens per position and tau are the same on V1 and V2."""
+    from conftest import shipped_replays_on
+
+    v1 = shipped_replays_on("v1", shipped_requests)["dlite"]
+    v2 = shipped_replays_on("v2", shipped_requests)["dlite"]
+    assert (v1["runner"], v2["runner"]) == ("v1", "v2")
+    assert v2["outputs"] == v1["outputs"]
+    one, two = v1["summary"], v2["summary"]
+    print(f"tau V1 {one['tau']:.4f} ({one['num_drafts']} drafts), V2 {two['tau']:.4f} ({two['num_drafts']} drafts)")
+    assert (two["num_drafts"], two["accepted_tokens"]) == (one["num_drafts"], one["accepted_tokens"])
+    assert two["tau_per_position"] == pytest.approx(one["tau_per_position"], abs=1e-12)

@@ -33,8 +33,9 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def tp2_dlite(shipped_requests, shipped_replays):
-    return replay_shipped([r.prompt_token_ids for r in shipped_requests], "dlite", tensor_parallel_size=2)
+def tp2_dlite(shipped_requests, shipped_replays, runner):
+    return replay_shipped([r.prompt_token_ids for r in shipped_requests], "dlite", tensor_parallel_size=2,
+                          runner=runner)
 
 
 def test_tp2_dlite_equals_tp1_without_speculation(shipped_requests, shipped_replays, tp2_dlite):
@@ -43,7 +44,7 @@ def test_tp2_dlite_equals_tp1_without_speculation(shipped_requests, shipped_repl
     assert len(base) == len(tp2_dlite["outputs"]) >= 16
     for req, a, b in zip(shipped_requests, base, tp2_dlite["outputs"]):
         assert b == a, f"{req.session_id}#{req.turn}: TP=2 with DLite changed the greedy output"
-    assert tp2_dlite["summary"]["num_drafts"] > 0
+    assert tp2_dlite["summary"]["num_drafts"] > 0 and tp2_dlite["runner"] == shipped_replays["none"]["runner"]
 
 
 def test_tp2_tau_equals_tp1_tau(shipped_replays, tp2_dlite):
@@ -54,7 +55,8 @@ def test_tp2_tau_equals_tp1_tau(shipped_replays, tp2_dlite):
     assert two["tau_per_position"] == pytest.approx(one["tau_per_position"], abs=1e-12)
 
 
-def test_serve_with_tensor_parallel_2(tmp_path):
+@pytest.mark.parametrize("runner", ["v1"])  # the serve example: one runner is enough
+def test_serve_with_tensor_parallel_2(tmp_path, runner):
     out = tmp_path / "serve.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the example pins one core per rank itself

@@ -1,4 +1,4 @@
-"""vLLM 0.32 integration of DLite (CPU, Model Runner V1), with tiny random-weight models.
+"""vLLM 0.32 integration of DLite on both model runners (CPU), with tiny random-weight models.
 
 * plugin: idempotent ``register()``, version refusal, ``"method": "dlite"`` mapping (Python dict
   and ``--speculative-config`` JSON), one clear error per bad checkpoint/config;
@@ -10,7 +10,10 @@
 * chunked prefill + preemption + requests finishing mid-batch, mixed greedy/sampled batches with
   probabilistic draft sampling.
 
-Runs the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with one OpenMP thread.
+Every end-to-end check runs on Model Runner V1 and V2 (the ``runner`` fixture, ``conftest.py``):
+V1 engines in the test process, V2 engines in fresh processes running V2 through Triton's
+interpreter (:mod:`lab.harness.runners`), each engine in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+with one OpenMP thread. The G = 3 drafter reads x_{a-2} from V2's request token history.
 Tests that start engines are marked ``slow`` (project convention, pytest.ini); each takes
 15-40 s on an idle 2-core CPU. ``pytest -m "not slow"`` runs the config/plugin/V2 unit tests.
 """
@@ -57,9 +60,12 @@ def greedy():
 
 
 @pytest.fixture(scope="module")
-def baseline(models, prompts, greedy):
-    """Greedy outputs and KV pool without speculation."""
-    return H.run_llm(models.target, prompts, greedy, max_num_seqs=16)
+def baseline(models, prompts, greedy, runner):
+    """Greedy outputs and KV pool without speculation, on the runner under test."""
+    return H.run_llm(models.target, prompts, greedy, max_num_seqs=16, runner=runner)
+
+
+DRAFTER_TYPE = {"v1": "DLiteProposer", "v2": "DLiteSpeculator"}
 
 
 def dlite(path, **extra):
@@ -218,13 +224,14 @@ def test_dlite_keeps_the_whole_prefix_cache_hit(models):
 
 
 @pytest.mark.slow
-def test_prefix_cache_hits_equal_no_speculation(models, greedy):
+def test_prefix_cache_hits_equal_no_speculation(models, greedy, runner):
     """The same prompts twice with prefix caching: DLite's cache hits == no speculation's."""
     long_prompts = [" ".join(H.PROMPTS[(i + j) % len(H.PROMPTS)] for j in range(12)) for i in range(4)]
     hits = {}
     for name, spec in (("none", None), ("dlite", dlite(models.drafter))):
         run = H.run_llm(models.target, long_prompts + long_prompts, greedy, spec, max_num_seqs=4,
-                        enable_prefix_caching=True, block_size=32)
+                        enable_prefix_caching=True, block_size=32, runner=runner)
+        assert run.runner == runner
         hits[name] = run.metrics["vllm:prefix_cache_hits"]
     assert hits["none"] > 0 and hits["dlite"] == hits["none"], hits
 
@@ -322,20 +329,23 @@ def test_bad_config_error_surfaces_from_engine_args(models, tmp_path):
 # =========================================================================== end to end
 @pytest.fixture(scope="module")
 def g2(models):
-    """G = 2 drafters (x_{a-1} in the query and priming the head): random and copy."""
+    """G = 2 drafters (x_{a-1} in the query and priming the head): random and copy; and a random
+    G = 3 drafter (``random3``: V2 reads x_{a-2} from the request's token history)."""
     root = models.root
     if not (root / "drafter_g2" / "config.json").exists():
         H.make_random_drafter(root / "drafter_g2", models.target, seed=2, anchor_group_size=2)
         H.make_copy_drafter(root / "copy_drafter_g2", models.target, anchor_group_size=2)
-    return {"random": root / "drafter_g2", "copy": root / "copy_drafter_g2"}
+        H.make_random_drafter(root / "drafter_g3", models.target, seed=5, anchor_group_size=3)
+    return {"random": root / "drafter_g2", "copy": root / "copy_drafter_g2", "random3": root / "drafter_g3"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("G, batch_size", [(1, 1), (1, 4), (1, 16), (2, 4)])
-def test_greedy_lossless_random_drafter(models, g2, prompts, greedy, baseline, G, batch_size):
+def test_greedy_lossless_random_drafter(models, g2, prompts, greedy, baseline, runner, G, batch_size):
     drafter = models.drafter if G == 1 else g2["random"]
-    run = H.run_llm(models.target, prompts, greedy, dlite(drafter), max_num_seqs=batch_size)
-    assert run.drafter_types == ["DLiteProposer"]
+    run = H.run_llm(models.target, prompts, greedy, dlite(drafter), max_num_seqs=batch_size, runner=runner)
+    assert run.runner == runner
+    assert run.drafter_types == [DRAFTER_TYPE[runner]]
     assert run.token_ids == baseline.token_ids
     assert run.metrics["vllm:spec_decode_num_drafts"] > 0
     # no draft KV cache: same pool as without speculation
@@ -344,9 +354,10 @@ def test_greedy_lossless_random_drafter(models, g2, prompts, greedy, baseline, G
 
 @pytest.mark.slow
 @pytest.mark.parametrize("G", [1, 2])
-def test_greedy_lossless_with_acceptances_and_metrics(models, g2, prompts, greedy, baseline, G):
+def test_greedy_lossless_with_acceptances_and_metrics(models, g2, prompts, greedy, baseline, runner, G):
     drafter = models.copy_drafter if G == 1 else g2["copy"]
-    run = H.run_llm(models.target, prompts, greedy, dlite(drafter), max_num_seqs=4)
+    run = H.run_llm(models.target, prompts, greedy, dlite(drafter), max_num_seqs=4, runner=runner)
+    assert run.runner == runner
     assert run.token_ids == baseline.token_ids
     m = run.metrics
     drafts, drafted = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"]
@@ -360,10 +371,11 @@ def test_greedy_lossless_with_acceptances_and_metrics(models, g2, prompts, greed
 
 
 @pytest.mark.slow
-def test_fewer_speculative_tokens_run_fewer_head_steps(models, prompts, greedy, baseline):
+def test_fewer_speculative_tokens_run_fewer_head_steps(models, prompts, greedy, baseline, runner):
     """num_speculative_tokens = k < K: the drafter runs k head steps (drafts [B, k]), lossless."""
     run = H.run_llm(models.target, prompts[:8], greedy, dlite(models.copy_drafter, num_speculative_tokens=2),
-                    max_num_seqs=4, record=True)
+                    max_num_seqs=4, record=True, runner=runner)
+    assert run.runner == runner
     assert run.token_ids == baseline.token_ids[:8]
     assert run.records and all(r["drafts"].shape[1] == 2 for r in run.records)
     assert len(run.metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]) == 2
@@ -384,16 +396,16 @@ def _offline_drafter(drafter_dir: Path, target_dir: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("G", [1, 2])
-def test_served_features_and_drafts_match_hf(models, g2, prompts, greedy, G):
+@pytest.mark.parametrize("G", [1, 2, 3])
+def test_served_features_and_drafts_match_hf(models, g2, prompts, greedy, runner, G):
     """aux hidden states served by vLLM == HF's at a-1, the G tokens vLLM hands the drafter are
     the sequence's x_{a-G+1..a}, and in-engine drafts == offline drafts."""
     from transformers import AutoTokenizer
 
-    drafter_dir = models.drafter if G == 1 else g2["random"]
+    drafter_dir = {1: models.drafter, 2: g2["random"], 3: g2["random3"]}[G]
     sub = prompts[:8]
-    run = H.run_llm(models.target, sub, greedy, dlite(drafter_dir), max_num_seqs=4, record=True)
-    assert run.records
+    run = H.run_llm(models.target, sub, greedy, dlite(drafter_dir), max_num_seqs=4, record=True, runner=runner)
+    assert run.runner == runner and run.records
     tok = AutoTokenizer.from_pretrained(str(models.target))
     drafter = _offline_drafter(drafter_dir, models.target)
     aux = drafter.config.aux_layer_ids
@@ -434,19 +446,20 @@ def test_served_features_and_drafts_match_hf(models, g2, prompts, greedy, G):
 
 
 @pytest.mark.slow
-def test_chunked_prefill_preemption_and_early_finish(models):
+def test_chunked_prefill_preemption_and_early_finish(models, runner):
     # ~45-token prompts > max_num_batched_tokens=32: every prefill is chunked
     long_prompts = [(" ".join(H.PROMPTS[(i + j) % len(H.PROMPTS)] for j in range(8)) + f" {i}") for i in range(12)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 6), ignore_eos=(i % 3 != 0))
         for i in range(len(long_prompts))
     ]
-    base = H.run_llm(models.target, long_prompts, params, max_num_seqs=12)
+    base = H.run_llm(models.target, long_prompts, params, max_num_seqs=12, runner=runner)
     spec = H.run_llm(
         models.target, long_prompts, params, dlite(models.copy_drafter),
         max_num_seqs=12, max_num_batched_tokens=32, block_size=32, num_gpu_blocks_override=8, max_model_len=128,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, runner=runner,
     )
+    assert spec.runner == runner
     print("preemptions", spec.metrics.get("vllm:num_preemptions"), "blocks", spec.num_gpu_blocks)
     assert spec.token_ids == base.token_ids
     assert spec.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
@@ -454,7 +467,7 @@ def test_chunked_prefill_preemption_and_early_finish(models):
 
 
 @pytest.mark.slow
-def test_probabilistic_drafts_mixed_batch(models, prompts, baseline):
+def test_probabilistic_drafts_mixed_batch(models, prompts, baseline, runner):
     sub = prompts[:12]
     params = [
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -465,8 +478,9 @@ def test_probabilistic_drafts_mixed_batch(models, prompts, baseline):
     run = H.run_llm(
         models.target, sub, params,
         dlite(models.copy_drafter, draft_sample_method="probabilistic"),
-        max_num_seqs=6, record=True,
+        max_num_seqs=6, record=True, runner=runner,
     )
+    assert run.runner == runner
     for i in range(0, len(sub), 2):  # greedy requests stay exactly the no-spec greedy output
         assert run.token_ids[i] == baseline.token_ids[i]
     sampled_calls = [r for r in run.records if r["temperatures"] is not None]
@@ -547,7 +561,7 @@ def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
 
 
 @pytest.mark.slow
-def test_untied_target_shares_only_embedding_and_final_norm(tmp_path_factory, greedy):
+def test_untied_target_shares_only_embedding_and_final_norm(tmp_path_factory, greedy, runner):
     """Untied target: the drafter uses the target's embed_tokens (not its lm_head) and final norm
     (checked by comparing in-engine drafts with the offline drafter bound to those tensors)."""
     from safetensors.torch import load_file
@@ -556,9 +570,9 @@ def test_untied_target_shares_only_embedding_and_final_norm(tmp_path_factory, gr
     target = H.make_tiny_target(root / "target", tie_word_embeddings=False, seed=3)
     drafter_dir = H.make_random_drafter(root / "drafter", target, seed=4)
     sub = H.make_prompts(6)
-    base = H.run_llm(target, sub, greedy, max_num_seqs=6)
-    run = H.run_llm(target, sub, greedy, dlite(drafter_dir), max_num_seqs=6, record=True)
-    assert run.token_ids == base.token_ids
+    base = H.run_llm(target, sub, greedy, max_num_seqs=6, runner=runner)
+    run = H.run_llm(target, sub, greedy, dlite(drafter_dir), max_num_seqs=6, record=True, runner=runner)
+    assert run.runner == runner and run.token_ids == base.token_ids
     w = load_file(str(target / "model.safetensors"))
     assert not torch.equal(w["model.embed_tokens.weight"], w["lm_head.weight"])
     drafter = _offline_drafter(drafter_dir, target)

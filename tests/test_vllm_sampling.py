@@ -11,7 +11,8 @@ rejection sampler (the drafter drafted it from anchor y1), so the joint (y1, y2)
 plain and the speculative path. A chi-square goodness-of-fit test (cells with expected count < 5
 pooled) compares the empirical joint with P, for no speculation (the control: the harness itself
 must pass) and for DLite with the copy drafter (many acceptances) under both draft sampling
-methods. Engines are seeded, so the test is deterministic; alpha = 1e-3.
+methods, on Model Runner V1 and V2 (``runner``). Engines are seeded, so the test is deterministic;
+alpha = 1e-3.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def chi_square_p_value(counts: collections.Counter, probs: torch.Tensor, n: int)
     return float(p), dof
 
 
-def sample_joint(models, speculative_config=None):
+def sample_joint(models, speculative_config=None, runner="v1"):
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=4, ignore_eos=True)
     run = H.run_llm(models.target, [PROMPT] * NUM_REQUESTS, params, speculative_config,
-                    max_num_seqs=128)
+                    max_num_seqs=128, runner=runner)
+    assert run.runner == runner
     vocab = H.TARGET_VOCAB
     counts = collections.Counter(t[0] * vocab + t[1] for t in run.token_ids)
     return counts, run
@@ -89,13 +91,13 @@ def sample_joint(models, speculative_config=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_sample_method", [None, "greedy", "probabilistic"],
                          ids=["no-speculation", "dlite-greedy-drafts", "dlite-probabilistic-drafts"])
-def test_sampled_distribution_equals_target(models, exact_joint, draft_sample_method):
+def test_sampled_distribution_equals_target(models, exact_joint, runner, draft_sample_method):
     assert exact_joint.shape == (H.TARGET_VOCAB, H.TARGET_VOCAB)
     spec = None
     if draft_sample_method is not None:
         spec = {"method": "dlite", "model": str(models.copy_drafter),
                 "num_speculative_tokens": H.BLOCK_K, "draft_sample_method": draft_sample_method}
-    counts, run = sample_joint(models, spec)
+    counts, run = sample_joint(models, spec, runner)
     assert sum(counts.values()) == NUM_REQUESTS
     p, dof = chi_square_p_value(counts, exact_joint, NUM_REQUESTS)
     accepted = run.metrics.get("vllm:spec_decode_num_accepted_tokens", 0)

