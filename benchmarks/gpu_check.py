@@ -39,6 +39,16 @@ d_shapes    Qwen3-8B shapes with random weights, plain torch (no vLLM), bf16, ea
             vocabulary]) and a DFlash round (5 decoder layers over K+1 = 8 tokens attending to the
             context + lm_head over K rows, 151,936 vocabulary). Ratios draft / verify.
 
+The vLLM release is whichever the bundle carries (``scripts/gpu/build_bundle.py --vllm-version``);
+stage a records it (``versions``).
+
+What only a GPU can check of the V2 speculator's CUDA-graph path (the rest, capture sizes,
+padding of a batch to the next captured size, the static input buffers and the replay of the
+whole draft step over them, is tested on CPU in
+``tests/test_vllm_integration.py::test_v2_graph_step_over_static_buffers``): the capture itself
+into vLLM's global graph pool (``torch.cuda.graph``), replay on the device, vLLM's cudagraph memory
+profiling discarding ``_DLiteGraphs``, and that graph replays stay lossless (stage b, graphs on).
+
 ``results.json``: ``device``, ``model_runner`` ("v2"/"v1"), ``lossless_greedy``, ``cuda_graphs`` (true when
 the graph run was lossless), ``dlite_vs_none_batch1`` (tok/s ratio, agentic, batch 1), per-stage status,
 and the tables. Without CUDA (and without ``--cpu-smoke``) the script only lists the stages (DRY mode:

@@ -382,6 +382,20 @@ def test_fewer_speculative_tokens_run_fewer_head_steps(models, prompts, greedy, 
     assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow
+def test_draft_length_by_batch_size(models, prompts, greedy, baseline, runner):
+    """vLLM's own dynamic speculation (``num_speculative_tokens_per_batch_size``): the step's k is
+    chosen by batch size and the DLite head runs exactly that many steps; lossless."""
+    schedule = [(1, 2, H.BLOCK_K), (3, 16, 2)]  # (first batch size, last, k)
+    run = H.run_llm(models.target, prompts[:10], greedy,
+                    dlite(models.copy_drafter, num_speculative_tokens_per_batch_size=schedule),
+                    max_num_seqs=4, record=True, runner=runner)
+    assert run.runner == runner and run.token_ids == baseline.token_ids[:10]
+    widths = {r["drafts"].shape[1] for r in run.records}
+    assert widths == {2, H.BLOCK_K}, widths
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
 def _offline_drafter(drafter_dir: Path, target_dir: Path):
     """The shipped-format drafter bound to the target's embedding and final norm (from files)."""
     from safetensors.torch import load_file
@@ -491,10 +505,9 @@ def test_probabilistic_drafts_mixed_batch(models, prompts, baseline, runner):
 
 
 # =========================================================================== Model Runner V2
-@pytest.mark.parametrize("G", [1, 2])
-def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
-    """DLiteSpeculator (Model Runner V2) is created by the wrapped init_speculator; its row/token
-    gathering and drafting are checked on CPU against the offline drafter (no GPU here)."""
+def _v2_speculator(models, drafter_dir):
+    """A DLiteSpeculator from the wrapped init_speculator, its drafter bound to the target's tensors
+    (read from files), and that offline drafter."""
     from types import SimpleNamespace
 
     import vllm.v1.worker.gpu.spec_decode as spec_decode
@@ -503,7 +516,6 @@ def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
     from vllm_dlite.vllm.draft_model import DFlashDLiteDraftModel
     from vllm_dlite.vllm.speculator_v2 import DLiteSpeculator
 
-    drafter_dir = models.drafter if G == 1 else g2["random"]
     plugin.register()
     config = EngineArgs(
         model=str(models.target), dtype="float32", max_model_len=256, max_num_seqs=8,
@@ -516,30 +528,46 @@ def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
     norm = SimpleNamespace(weight=drafter._final_norm_weight, variance_epsilon=drafter._final_norm_eps)
     target = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=drafter.embed_weight), norm=norm))
     spec.model.bind_target_model(target)
-    spec.init_cudagraph_manager(None)
-    assert spec.graphs is None and spec.draft_attn_layer_names == set()
+    return spec, drafter
 
-    # batch: req0 decode (4 drafts, 2 rejected), req1 prefill (6 rows), req2 partial prefill chunk
-    L = len(spec.dlite_config.target_layer_ids)
+
+def _fake_v2_batch(L: int):
+    """req0 decode (4 drafts, 2 rejected), req1 prefill (6 rows), req2 partial prefill chunk, in
+    V2's shapes (``vllm/v1/worker/gpu/states.py``): last_sampled_tokens [max_num_reqs, 1],
+    next_prefill_tokens [num_prefill_lookahead, max_num_reqs]."""
+    from types import SimpleNamespace
+
     qsl = torch.tensor([0, 5, 11, 14], dtype=torch.int32)
     num_tokens = int(qsl[-1])
     aux = [torch.randn(num_tokens, H.TARGET_HIDDEN) for _ in range(L)]
     input_ids = torch.arange(num_tokens, dtype=torch.int32) + 40
     batch = SimpleNamespace(num_reqs=3, query_start_loc=qsl, input_ids=input_ids,
                             idx_mapping=torch.tensor([5, 0, 2], dtype=torch.int32))
-    num_sampled = torch.tensor([3, 1, 0], dtype=torch.int32)
-    num_rejected = torch.tensor([2, 0, 0], dtype=torch.int32)
-    # V2's shapes (vllm/v1/worker/gpu/states.py): last_sampled_tokens [max_num_reqs, 1],
-    # next_prefill_tokens [num_prefill_lookahead, max_num_reqs]
-    last_sampled = (torch.arange(8) + 100)[:, None]
-    next_prefill = (torch.arange(8, dtype=torch.int32) + 200)[None, :]
-    drafts = spec.propose(batch, {}, {}, aux[-1], aux, num_sampled, num_rejected, last_sampled,
-                          next_prefill, torch.zeros(8), torch.zeros(8, dtype=torch.long))
-    rows, anchors = [2, 10, 13], [105, 100, 202]
+    inputs = dict(num_sampled=torch.tensor([3, 1, 0], dtype=torch.int32),
+                  num_rejected=torch.tensor([2, 0, 0], dtype=torch.int32),
+                  last_sampled=(torch.arange(8) + 100)[:, None],
+                  next_prefill_tokens=(torch.arange(8, dtype=torch.int32) + 200)[None, :])
+    rows, anchors = [2, 10, 13], [105, 100, 202]  # the rows before each anchor, and the anchors
     feats = torch.stack([torch.stack([a[r] for a in aux]) for r in rows])
-    group = torch.tensor(anchors)[:, None]
-    if G == 2:  # x_{a-1} = the input token of the feature row
-        group = torch.cat([input_ids[rows].long()[:, None], group], dim=1)
+    return batch, aux, inputs, feats, input_ids[rows].long(), torch.tensor(anchors)
+
+
+def _propose(spec, batch, aux, inputs, temperature=None):
+    return spec.propose(batch, {}, {}, aux[-1], aux, inputs["num_sampled"], inputs["num_rejected"],
+                        inputs["last_sampled"], inputs["next_prefill_tokens"],
+                        torch.zeros(8) if temperature is None else temperature, torch.zeros(8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
+    """DLiteSpeculator (Model Runner V2) is created by the wrapped init_speculator; its row/token
+    gathering and drafting are checked on CPU against the offline drafter, with V2's tensor shapes."""
+    spec, drafter = _v2_speculator(models, models.drafter if G == 1 else g2["random"])
+    spec.init_cudagraph_manager(None)
+    assert spec.graphs is None and spec.draft_attn_layer_names == set()
+    batch, aux, inputs, feats, previous, anchors = _fake_v2_batch(len(spec.dlite_config.target_layer_ids))
+    drafts = _propose(spec, batch, aux, inputs)
+    group = anchors[:, None] if G == 1 else torch.stack([previous, anchors], dim=1)  # x_{a-1}: the row's input
     expected = drafter.draft(feats, group)
     assert drafts.tolist() == expected.token_ids.tolist()
 
@@ -548,8 +576,7 @@ def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
     spec.draft_logits = torch.zeros(8, K, H.TARGET_VOCAB)
     temps = torch.zeros(8)
     temps[0] = 0.7  # req1 (state 0) samples; req0 (state 5) and req2 (state 2) are greedy
-    drafts = spec.propose(batch, {}, {}, aux[-1], aux, num_sampled, num_rejected, last_sampled,
-                          next_prefill, temps, torch.zeros(8, dtype=torch.long))
+    drafts = _propose(spec, batch, aux, inputs, temps)
     assert drafts[0].tolist() == expected.token_ids[0].tolist()
     assert drafts[2].tolist() == expected.token_ids[2].tolist()
     for state, b in ((5, 0), (0, 1), (2, 2)):
@@ -558,6 +585,49 @@ def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
         else:  # sampled row: logits of the sampled prefix (first position is prefix-free)
             torch.testing.assert_close(spec.draft_logits[state][0], expected.logits[b][0])
     assert spec.draft_logits[1].abs().sum() == 0  # untouched request state
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_v2_graph_step_over_static_buffers(models, g2, G):
+    """The CUDA-graph path without the GPU: capture sizes, a batch padded to the next captured size,
+    and the whole draft step replayed over the static buffers (here by running the captured function
+    itself, ``_draft_static``); rows past the batch hold stale inputs and must not matter."""
+    from types import MethodType, SimpleNamespace
+
+    from vllm_dlite.vllm.speculator_v2 import _capture_sizes, _DLiteGraphs
+
+    assert _capture_sizes(8) == [1, 2, 4, 8] and _capture_sizes(6) == [1, 2, 4, 6] and _capture_sizes(1) == [1]
+    spec, drafter = _v2_speculator(models, models.drafter if G == 1 else g2["random"])
+    assert spec.features.shape == (8, spec.dlite_config.num_feature_layers, H.TARGET_HIDDEN)
+    assert spec.group_ids.shape == (8, G) and spec.draft_tokens.shape == (8, spec.num_speculative_steps)
+    replays = []
+
+    class Graph:  # what torch.cuda.CUDAGraph.replay() re-runs: the step captured at this size
+        def __init__(self, size):
+            self.size = size
+
+        def replay(self):
+            replays.append(self.size)
+            spec._draft_static(self.size)
+
+    graphs = SimpleNamespace(sizes=[1, 2, 4, 8], draft_graphs={n: Graph(n) for n in (1, 2, 4, 8)})
+    graphs.padded_size = MethodType(_DLiteGraphs.padded_size, graphs)
+    assert [graphs.padded_size(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    spec.graphs = graphs
+    torch.manual_seed(0)
+    spec.features.normal_()  # stale rows from an earlier, larger batch
+    spec.group_ids.random_(0, H.TARGET_VOCAB)
+    batch, aux, inputs, feats, previous, anchors = _fake_v2_batch(len(spec.dlite_config.target_layer_ids))
+    drafts = _propose(spec, batch, aux, inputs)
+    assert replays == [4]  # 3 requests replay the size-4 graph
+    group = anchors[:, None] if G == 1 else torch.stack([previous, anchors], dim=1)
+    assert drafts.tolist() == drafter.draft(feats, group).token_ids.tolist()
+    # a step with fewer speculative tokens than captured runs eagerly, k head steps
+    replays.clear()
+    drafts = spec.propose(batch, {}, {}, aux[-1], aux, inputs["num_sampled"], inputs["num_rejected"],
+                          inputs["last_sampled"], inputs["next_prefill_tokens"], torch.zeros(8),
+                          torch.zeros(8, dtype=torch.long), num_speculative_tokens=2)
+    assert replays == [] and drafts[:, :2].tolist() == drafter.draft(feats, group, k=2).token_ids.tolist()
 
 
 @pytest.mark.slow

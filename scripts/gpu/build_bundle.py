@@ -510,6 +510,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--margin-mib", type=float, default=4.0,
                     help="kept free in every run for the working tree's growth and transfer overhead")
     ap.add_argument("--tree-bytes", type=int, default=None, help="working tree size (default: measured)")
+    ap.add_argument("--vllm-version", default=VLLM_SPEC.split("==")[1],
+                    help="the vLLM release to bundle (the plugin supports the series compat.SUPPORTED_VLLM_SERIES "
+                         "names; 0.33 and 0.34 pin torch 2.14, the device has torch 2.11: check the C ABI first)")
     ap.add_argument("--no-download", action="store_true", help="use the wheels already in the cache")
     ap.add_argument("--preset", type=int, default=9, help="xz preset (always with --extreme)")
     ap.add_argument("--no-prune", action="store_true",
@@ -518,10 +521,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
 
     wheels_dir = args.cache / "wheels"
-    specs = [VLLM_SPEC, *DEPENDENCY_WHEELS]
+    vllm_spec = f"vllm=={args.vllm_version}"
+    specs = [vllm_spec, *DEPENDENCY_WHEELS]
     if not args.no_download:
         download(wheels_dir, specs)
-    vllm_wheel = find_wheel(wheels_dir, VLLM_SPEC)
+    vllm_wheel = find_wheel(wheels_dir, vllm_spec)
     deps = [find_wheel(wheels_dir, s) for s in DEPENDENCY_WHEELS]
     tree = working_tree_bytes() if args.tree_bytes is None else args.tree_bytes
     budget = int(args.budget_mib * MIB) - tree - int(args.margin_mib * MIB)

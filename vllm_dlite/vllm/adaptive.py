@@ -252,7 +252,8 @@ def check_runner(options: Optional[AdaptiveOptions], where: str, async_schedulin
         raise ValueError(
             f"'method': '{method}' chooses a draft length per request, which vLLM's Model Runner V2 "
             "(the GPU default) cannot take: set VLLM_USE_V2_MODEL_RUNNER=0 to serve it with Model "
-            "Runner V1, or use 'method': 'dlite' (fixed k)")
+            "Runner V1, or use 'method': 'dlite' (fixed k, or k by batch size with vLLM's "
+            "num_speculative_tokens_per_batch_size); why: docs/adaptive-on-v2.md")
     if tensor_parallel_size > 1:
         raise ValueError(
             f"'method': '{method}' decides per rank from measured timings, so tensor-parallel ranks "
