@@ -11,7 +11,8 @@ Triton's interpreter (``TRITON_INTERPRET=1``) runs ``@triton.jit`` kernels on CP
 1. registering a placeholder under ``triton.backends.backends["cpu"]`` (vLLM only reads its
    ``driver`` attribute and excludes it from the active-driver count);
 2. setting ``TRITON_INTERPRET=1`` (every ``@triton.jit`` kernel vLLM defines afterwards is
-   interpreted) and ``VLLM_USE_V2_MODEL_RUNNER=1``;
+   interpreted), ``VLLM_USE_V2_MODEL_RUNNER=1``, and ``TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION=1``
+   (torch.compile must not take the placeholder for a Triton CPU compiler: it keeps its C++ backend);
 3. putting ``lab/harness/runner_site`` first on ``PYTHONPATH``: its ``sitecustomize`` repeats 1-2 at
    the start of every Python child (vLLM's engine-core and worker processes, ``vllm serve``), so
    engines in other processes run V2 too.
@@ -39,7 +40,10 @@ from pathlib import Path
 
 RUNNERS = ("v1", "v2")
 SITE_DIR = Path(__file__).resolve().parent / "runner_site"
-_V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+# TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION: torch.compile would otherwise also see Triton's
+# ``cpu`` entry (torch.utils._triton.has_triton) and ask it for a compile target it does not have;
+# inductor keeps its C++ backend on CPU, as without the placeholder.
+_V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "TORCHINDUCTOR_TRITON_DISABLE_DEVICE_DETECTION": "1"}
 
 
 class _InterpreterOnlyBackend:
