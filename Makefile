@@ -1,18 +1,20 @@
 # Every command runs in the project virtualenv .venv, built by scripts/setup_env.sh (idempotent).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast workloads target target-long drafter
+.PHONY: setup demo test test-slow test-all workloads target target-long drafter
 setup:
 	bash scripts/setup_env.sh
 
 demo: setup                    ## DLite vs no speculation on held-out agentic replay (vLLM, CPU)
 	$(PY) examples/offline_generate.py
 
-test: setup                    ## the whole suite, slow end-to-end tests included (CI runs this)
-	$(PY) -m pytest -q --durations=15 tests
+test: setup                    ## the suite without the engine end-to-end tests (under 15 min here)
+	$(PY) -m pytest -q --durations=15 -m "not slow" tests
 
-test-fast: setup               ## skip the slow end-to-end tests
-	$(PY) -m pytest -q -m "not slow" tests
+test-slow: setup               ## the engine end-to-end tests (vLLM engines and servers, Model Runner V1 and V2)
+	$(PY) -m pytest -q --durations=15 -m slow tests
+
+test-all: test test-slow       ## both (CI runs this)
 
 workloads: setup               ## regenerate the shipped held-out workload files
 	for k in agentic:24 code:64 chat:64; do \

@@ -224,7 +224,7 @@ def corrupt_startup(args, how: str, spec: dict, common: list[str], env: dict) ->
         shutil.rmtree(work, ignore_errors=True)
     lines = [ln for ln in tail.splitlines() if str(f) in ln and ("Error" in ln or "error" in ln)]
     return dict(returncode=rc, wall_s=round(time.time() - t0, 1), names_file=bool(lines),
-                error=lines[-1][-300:] if lines else None)
+                error=lines[-1][-300:] if lines else None, file=str(f), log_tail=tail[-4000:])
 
 
 # ----------------------------------------------------------------------------- main
@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             reference = asyncio.run(run_round(ref.base_url, args.target, requests, {}, args.timeout_s))
             ref_errors = {name: asyncio.run(post_raw(ref.base_url, body)) for name, body in bad.items()}
             results["reference"] = dict(wall_s=round(time.time() - t0, 1),
-                                        statuses=sorted({r["status"] for r in reference}))
+                                        statuses=sorted({r["status"] for r in reference}),
+                                        token_ids=[r["token_ids"] for r in reference])
         bad_ref = [i for i, r in enumerate(reference) if r["status"] != 200 or r["finish_reason"] is None]
         if bad_ref:
             failures.append(f"reference server failed requests {bad_ref}")
@@ -348,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                          aborted=sum(o["aborted"] for o in outs),
                          completed=sum(o["status"] == 200 and o["finish_reason"] is not None for o in outs),
                          mismatches=0, prefix_mismatches=0, errors={}, rss_bytes_end=server.rss_bytes(),
-                         alive=server.alive(), idle_gauges=gauges, preemptions=total_preempted - preempted)
+                         alive=server.alive(), idle_gauges=gauges, preemptions=total_preempted - preempted,
+                         outputs=[{k: o[k] for k in ("token_ids", "aborted", "status", "error", "finish_reason")}
+                                  for o in outs])
                 preempted = total_preempted
                 for i, o in enumerate(outs):
                     want = reference[i]["token_ids"]
@@ -410,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         if not same or ds >= 500:
             failures.append(f"bad input {name}: DLite server {ds} {error_type(dt)} vs reference {rs} {error_type(rt)}")
     ok_after = after_bad["status"] == 200 and after_bad["token_ids"] == reference[0]["token_ids"]
-    results["bad_input"]["served_after"] = dict(alive=alive_after_bad, answered_identically=ok_after)
+    results["bad_input"]["served_after"] = dict(alive=alive_after_bad, answered_identically=ok_after,
+                                                status=after_bad["status"], token_ids=after_bad["token_ids"])
     if not (alive_after_bad and ok_after):
         failures.append("the DLite server did not answer a good request correctly after the bad inputs")
 
