@@ -45,7 +45,7 @@ use_cpu_env(4, threads=1)
 
 def watch(controller_cls, rows: list[dict]) -> None:
     """Wrap the controller's four per-round calls to append one row per round to ``rows``."""
-    from vllm_dlite.vllm.adaptive_cost import choose_lengths
+    from vllm_dlite.vllm.adaptive.cost import choose_lengths
 
     begin, plan, select, end = (controller_cls.begin_round, controller_cls.plan, controller_cls.select,
                                 controller_cls.end_round)

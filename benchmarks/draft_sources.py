@@ -53,7 +53,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_dlite.vllm.adaptive_cost import (  # noqa: E402
+from vllm_dlite.vllm.adaptive.cost import (  # noqa: E402
     choose_source, expected_from_confidence, tree_before_drafting)
 
 BUCKETS = ((0, 2048, "0-2k"), (2048, 8192, "2k-8k"), (8192, 1 << 30, "8k-32k"))
@@ -205,7 +205,7 @@ class HybridBeforeDrafting:
 
     def __init__(self, k: int, factor: float):
         from vllm_dlite.vllm.adaptive import AdaptiveOptions
-        from vllm_dlite.vllm.adaptive_cost import AcceptanceStats
+        from vllm_dlite.vllm.adaptive.cost import AcceptanceStats
 
         o = AdaptiveOptions()
         self.k, self.factor = k, factor

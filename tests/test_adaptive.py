@@ -24,8 +24,8 @@ import helpers_vllm as H  # noqa: E402
 
 from vllm_dlite.vllm.adaptive import (ADDITIONAL_CONFIG_KEY, AdaptiveController, AdaptiveOptions,
                                       Match, Plan, check_runner)
-from vllm_dlite.vllm.adaptive_cost import (AcceptanceStats, CostModel, choose_lengths, choose_source,
-                                           ConfidenceCalibration, expected_from_confidence)
+from vllm_dlite.vllm.adaptive.cost import (AcceptanceStats, CostModel, choose_lengths, choose_source,
+                                            ConfidenceCalibration, expected_from_confidence)
 
 H.apply_vllm_env()
 torch.set_num_threads(1)
@@ -465,7 +465,7 @@ def sampled_job(models, method):
 @pytest.mark.parametrize("method", ["dlite-adaptive", "dlite-hybrid"])
 def test_greedy_identical_to_no_speculation(models, prompts, greedy, baseline, method):
     run, stats, _ = _run_job(models.target, *greedy_job(models, prompts, greedy, method))
-    assert run.drafter_types == ["DLiteProposer"]
+    assert run.drafter_types == ["AdaptiveDLiteProposer"]
     assert run.token_ids == baseline.token_ids
     m = run.metrics
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
@@ -482,10 +482,10 @@ def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(m
                                                                               monkeypatch):
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    from vllm_dlite.vllm.proposer_v1 import DLiteProposer
+    from vllm_dlite.vllm.adaptive.proposer import AdaptiveDLiteProposer
 
     calls = {"propose": 0, "verify nothing": 0}
-    propose, verify = DLiteProposer.propose, RejectionSampler.forward
+    propose, verify = AdaptiveDLiteProposer.propose, RejectionSampler.forward
 
     def counted_propose(self, *a, **kw):
         calls["propose"] += 1
@@ -495,7 +495,7 @@ def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(m
         calls["verify nothing"] += metadata.max_spec_len == 0
         return verify(self, metadata, *a, **kw)
 
-    monkeypatch.setattr(DLiteProposer, "propose", counted_propose)
+    monkeypatch.setattr(AdaptiveDLiteProposer, "propose", counted_propose)
     monkeypatch.setattr(RejectionSampler, "forward", counted_verify)
     sub = prompts[:8]
     run, stats, _ = _run_job(models.target, sub, greedy, spec("dlite-adaptive", models.copy_drafter,

@@ -18,14 +18,15 @@ from vllm_dlite.vllm import cpu_fixes, plugin
 
 # ----------------------------------------------------------------------------- scope
 def test_register_only_arranges_the_hook(monkeypatch):
-    """``register()`` (through ``install()``) applies nothing: it hooks the CPU runner class."""
+    """``register()`` (installing ``runner_hooks()``) applies nothing: it hooks the CPU runner class."""
     def refuse(*_a, **_k):
         raise AssertionError("a fix was applied without a speculative runner")
 
     monkeypatch.setattr(cpu_fixes, "apply_for_runner", refuse)
     plugin.register()
-    cpu_fixes.install()  # idempotent, applies nothing
-    assert plugin._HOOKS[cpu_fixes.CPU_RUNNER_MODULE] is cpu_fixes.hook_cpu_runner
+    plugin._install_runner_hooks()  # idempotent, applies nothing
+    assert cpu_fixes.runner_hooks() == {cpu_fixes.CPU_RUNNER_MODULE: cpu_fixes.hook_cpu_runner}
+    assert plugin._HOOKS[cpu_fixes.CPU_RUNNER_MODULE] == [("cpu fixes", cpu_fixes.hook_cpu_runner)]
     import vllm.v1.worker.cpu_model_runner as cpu_runner
 
     assert getattr(cpu_runner.CPUModelRunner.__init__, cpu_fixes._FIXED, False)

@@ -2,8 +2,8 @@
 
 Each fix is described for upstream in ``docs/vllm-cpu-fixes.md`` (what fails, why, the patch).
 
-**Scope.** :func:`install` (called by the plugin's ``register()``) changes nothing in vLLM: it only
-arranges that when vLLM builds a CPU model runner (``vllm.v1.worker.cpu_model_runner.CPUModelRunner``,
+**Scope.** The plugin's ``register()`` installs :func:`runner_hooks`, which change nothing in vLLM:
+they only arrange that when vLLM builds a CPU model runner (``vllm.v1.worker.cpu_model_runner.CPUModelRunner``,
 Model Runner V1, the CPU default) for an engine WITH a speculative config, :func:`apply_for_runner`
 runs. Engines without speculation, and every GPU engine, run vLLM unchanged, bugs included. Once
 applied in a worker process:
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger("vllm.dlite")
 
@@ -34,14 +33,11 @@ EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 
 # =========================================================================== scope
-def install() -> None:
-    """Hook ``CPUModelRunner.__init__`` (now if imported, else when it is imported) so that the
-    fixes are applied to runners of engines with a speculative config. Idempotent."""
-    from vllm_dlite.vllm import plugin  # the plugin's post-import hook applies plugin._HOOKS
-
-    plugin._HOOKS.setdefault(CPU_RUNNER_MODULE, hook_cpu_runner)
-    if CPU_RUNNER_MODULE in sys.modules:
-        hook_cpu_runner(sys.modules[CPU_RUNNER_MODULE])
+def runner_hooks() -> dict[str, Callable]:
+    """vLLM module -> post-import hook, for the plugin to install (its compat group ``"cpu fixes"``
+    permitting): :func:`hook_cpu_runner` on ``CPUModelRunner``, so that the fixes are applied to
+    runners of engines with a speculative config."""
+    return {CPU_RUNNER_MODULE: hook_cpu_runner}
 
 
 def hook_cpu_runner(module) -> None:

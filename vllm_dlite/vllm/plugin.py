@@ -19,20 +19,23 @@ configs. It is idempotent and does five things:
    against the target (earliest point: before any model is loaded) and maps ``method`` to
    vLLM's parallel-drafting path ``"dflash"``; the DLite checkpoint's architecture is what later
    selects the DLite proposer, so ``{"method": "dflash", "model": <dlite dir>}`` works too.
-   ``"dlite-adaptive"`` / ``"dlite-hybrid"`` (:mod:`vllm_dlite.vllm.adaptive`) map the same way;
-   their ``"dlite_options"`` are validated here and reach the workers in
-   ``VllmConfig.additional_config["dlite_drafting"]`` (Model Runner V1 only; V2 refuses them).
+   More methods on the same checkpoint come from **extensions** (:func:`extensions`: today
+   :mod:`vllm_dlite.vllm.adaptive`, registered through its one ``register()``): they map the same
+   way, and what an extension's config step returns reaches the workers in
+   ``VllmConfig.additional_config``.
 4. **Runner hooks** (installed when the runner module is imported, so the front end does not pay
    for importing worker code):
 
    * Model Runner V1 (CPU, and GPUs without V2): after ``GPUModelRunner.__init__`` (which
      ``CPUModelRunner`` calls), ``self.drafter`` is replaced by
-     :class:`vllm_dlite.vllm.proposer_v1.DLiteProposer` when the draft architecture is DLite;
-     for ``dlite-adaptive`` / ``dlite-hybrid``, ``propose_draft_token_ids`` and ``_sample`` let a
-     round in which nobody drafts skip vLLM's drafting preparation and its rejection sampler.
+     :class:`vllm_dlite.vllm.proposer_v1.DLiteProposer` (or an extension's subclass of it) when
+     the draft architecture is DLite.
    * Model Runner V2 (GPU default): ``vllm.v1.worker.gpu.model_runner.init_speculator`` (bound by
      name at import) is wrapped to return
      :class:`vllm_dlite.vllm.speculator_v2.DLiteSpeculator` for a DLite draft.
+   * the hooks that :mod:`vllm_dlite.vllm.cpu_fixes` and the extensions hand over.
+
+   Every hook names the compat group it needs and is installed only where that group holds.
 5. **vLLM CPU fixes** (:mod:`vllm_dlite.vllm.cpu_fixes`): applied to CPU model runners of engines
    with a speculative config only (``docs/vllm-cpu-fixes.md``).
 """
@@ -48,16 +51,14 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
-from vllm_dlite.vllm import adaptive, compat, cpu_fixes
+from vllm_dlite.vllm import compat, cpu_fixes
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
 SUPPORTED_VLLM_SERIES = compat.SUPPORTED_VLLM_SERIES
 DLITE_METHOD = "dlite"
-# "dlite" plus dlite-adaptive / dlite-hybrid (vllm_dlite.vllm.adaptive): same checkpoint and path
-DLITE_METHODS = (DLITE_METHOD, *adaptive.METHOD_MODES)
 VLLM_METHOD = "dflash"  # vLLM's parallel-drafting path that DLite rides on
 _WRAPPED = "__dlite_wrapped__"
 
@@ -87,8 +88,6 @@ def register() -> None:
     _patch_engine_args()
     _patch_speculative_config()
     _install_runner_hooks(groups)
-    if compat.CPU_FIXES.name in groups:
-        cpu_fixes.install()
     if registry_in_use(groups):
         from vllm_dlite.vllm import registry_v034
 
@@ -114,7 +113,8 @@ def _guard_dlite_method() -> None:
     @functools.wraps(original)
     def create_speculative_config(self, *args, **kwargs):
         spec = self.speculative_config or {}
-        if spec.get("method") in DLITE_METHODS or getattr(self, "spec_method", None) in DLITE_METHODS:
+        methods = dlite_methods()
+        if spec.get("method") in methods or getattr(self, "spec_method", None) in methods:
             raise RuntimeError(compat.unsupported_message())
         return original(self, *args, **kwargs)
 
@@ -164,12 +164,13 @@ def _patch_engine_args() -> None:
             self.speculative_config = prepare_speculative_config(
                 self.speculative_config, target_model_config
             )
-            # dlite-adaptive / dlite-hybrid: the workers read their options from additional_config
-            drafting = self.speculative_config.pop(adaptive.ADDITIONAL_CONFIG_KEY, None)
-            if drafting is not None:
-                if not isinstance(self.additional_config, dict):
-                    self.additional_config = dict(self.additional_config or {})
-                self.additional_config[adaptive.ADDITIONAL_CONFIG_KEY] = drafting
+            # what the extensions' config step returned: the workers read it from additional_config
+            for key in _additional_config_keys():
+                value = self.speculative_config.pop(key, None)
+                if value is not None:
+                    if not isinstance(self.additional_config, dict):
+                        self.additional_config = dict(self.additional_config or {})
+                    self.additional_config[key] = value
         return original(self, target_model_config, target_parallel_config)
 
     setattr(create_speculative_config, _WRAPPED, True)
@@ -186,7 +187,7 @@ def _patch_engine_args() -> None:
                 if action.dest == "spec_method" and action.choices is not None:
                     choices = list(action.choices)
                     if DLITE_METHOD not in choices:
-                        action.choices = [*DLITE_METHODS, *choices]
+                        action.choices = [*dlite_methods(), *choices]
             return parser
 
         setattr(add_cli_args_with_dlite, _WRAPPED, True)
@@ -322,7 +323,7 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     spec = {str(k).replace("-", "_"): v for k, v in spec.items()}
     method = spec.get("method")
     model = spec.get("model")
-    is_dlite = method in DLITE_METHODS
+    is_dlite = method in dlite_methods()
     if not is_dlite and method in (None, VLLM_METHOD) and model is not None:
         is_dlite = _local_checkpoint_is_dlite(model)
     if not is_dlite:
@@ -339,17 +340,8 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
         spec.get("revision"),
     )
     out = dict(spec)
-    options = out.pop(adaptive.OPTIONS_KEY, None)
-    mode = adaptive.METHOD_MODES.get(method)
-    if mode is not None and compat.V1_ADAPTIVE.name not in compat.holding_groups():
-        raise ValueError(f"'method': '{method}' needs Model Runner V1, which vLLM {compat.installed_version()} "
-                         "does not have (compat group 'v1 adaptive hooks'): use 'method': 'dlite' (fixed k)")
-    if options is not None and mode is None:
-        raise ValueError(
-            f'speculative_config "{adaptive.OPTIONS_KEY}" applies to "method": "dlite-adaptive" or '
-            f'"dlite-hybrid", not {method!r}')
-    if mode is not None:  # validated now; carried to the workers by the engine-args wrapper
-        out[adaptive.ADDITIONAL_CONFIG_KEY] = adaptive.AdaptiveOptions.from_dict(mode, options).to_dict()
+    for extension in extensions():  # validated now; carried to the workers by the engine-args wrapper
+        out.update(extension.prepare(method, out))
     # 0.34+: the registered "dlite" (registry_v034); before: vLLM's parallel-drafting path
     out["method"] = DLITE_METHOD if registry_in_use() else VLLM_METHOD
     out["model"] = str(directory) if Path(str(model)).exists() else model
@@ -384,6 +376,48 @@ def _local_checkpoint_is_dlite(model: Any) -> bool:
         return False
 
 
+# =========================================================================== extensions
+class Extension(Protocol):
+    """More speculative methods on the DLite checkpoint, served on the same path (an extension
+    module's ``register()`` returns one; :mod:`vllm_dlite.vllm.adaptive` is the one there is)."""
+
+    methods: tuple[str, ...]  # method names that mean "a DLite checkpoint", besides "dlite"
+    additional_config_keys: tuple[str, ...]  # keys prepare() returns (moved to additional_config)
+    hooks: tuple[tuple[str, str, Callable], ...]  # (vLLM module, compat group it needs, hook)
+
+    def prepare(self, method: Optional[str], spec: dict[str, Any]) -> dict[str, Any]:
+        """Every DLite speculative config, after its checkpoint is validated: pops the extension's
+        own keys from ``spec``; returns entries for ``VllmConfig.additional_config``."""
+
+    def v1_proposer(self, vllm_config: Any) -> Optional[type]:
+        """The Model Runner V1 proposer class (a DLiteProposer subclass) for this engine, or None."""
+
+    def check_v2(self, vllm_config: Any) -> None:
+        """Raises (with the fix) when this engine cannot run on Model Runner V2."""
+
+
+_extensions: Optional[list[Extension]] = None
+
+
+def extensions() -> list[Extension]:
+    """The registered extensions (loaded once, on first use)."""
+    global _extensions
+    if _extensions is None:
+        from vllm_dlite.vllm import adaptive
+
+        _extensions = [adaptive.register()]
+    return _extensions
+
+
+def dlite_methods() -> tuple[str, ...]:
+    """Every method name served with a DLite checkpoint: ``"dlite"`` and the extensions'."""
+    return (DLITE_METHOD, *(m for ext in extensions() for m in ext.methods))
+
+
+def _additional_config_keys() -> tuple[str, ...]:
+    return tuple(k for ext in extensions() for k in ext.additional_config_keys)
+
+
 # =========================================================================== runner hooks
 def _hook_v1_runner(module) -> None:
     """Model Runner V1: swap ``self.drafter`` for the DLite proposer after ``__init__``."""
@@ -398,61 +432,15 @@ def _hook_v1_runner(module) -> None:
         if getattr(self, "drafter", None) is not None and is_dlite_draft(
             getattr(self, "speculative_config", None)
         ):
-            from vllm_dlite.vllm.proposer_v1 import DLiteProposer
-
-            self.drafter = DLiteProposer(vllm_config, self.device, self)
+            proposer = next((p for ext in extensions() if (p := ext.v1_proposer(vllm_config)) is not None), None)
+            if proposer is None:
+                from vllm_dlite.vllm.proposer_v1 import DLiteProposer as proposer
+            self.drafter = proposer(vllm_config, self.device, self)
             self.use_aux_hidden_state_outputs = True
-            logger.info("DLite: Model Runner V1 drafter = DLiteProposer (no draft KV cache)")
+            logger.info("DLite: Model Runner V1 drafter = %s (no draft KV cache)", proposer.__name__)
 
     setattr(__init__, _WRAPPED, True)
     cls.__init__ = __init__
-    if compat.V1_ADAPTIVE.name in compat.holding_groups():
-        _hook_v1_rounds_without_drafts(cls)
-
-
-def _hook_v1_rounds_without_drafts(cls) -> None:
-    """dlite-adaptive / dlite-hybrid on Model Runner V1: a round in which nobody drafts costs what
-    a step without speculation costs, as far as vLLM's runner allows.
-
-    * ``propose_draft_token_ids``: before vLLM prepares the drafter's inputs (next tokens, padded
-      metadata, the aux hidden states of every scheduled token), the proposer's controller learns
-      from the verify step and plans the round
-      (:meth:`~vllm_dlite.vllm.proposer_v1.DLiteProposer.before_drafting`); when no request drafts,
-      the round ends there with empty drafts.
-    * ``_sample``: a step in which no request carries drafts is sampled by vLLM's sampler, as
-      without speculation, instead of the rejection sampler with nothing to verify.
-
-    Other drafters, and plain ``"dlite"``, go straight to vLLM's methods."""
-    propose_all, sample = cls.propose_draft_token_ids, cls._sample
-    if getattr(propose_all, _WRAPPED, False):
-        return
-
-    def controller(runner):
-        return getattr(getattr(runner, "drafter", None), "controller", None)
-
-    @functools.wraps(propose_all)
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
-                                common_attn_metadata, slot_mappings):
-        if controller(self) is not None:
-            drafts = self.drafter.before_drafting(scheduler_output, sampled_token_ids, spec_decode_metadata,
-                                                  common_attn_metadata)
-            if drafts is not None:
-                return drafts
-        return propose_all(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                           sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
-                           slot_mappings)
-
-    @functools.wraps(sample)
-    def _sample(self, logits, spec_decode_metadata):
-        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0 \
-                and controller(self) is not None:
-            spec_decode_metadata = None  # nothing to verify: logits hold one row per request
-        return sample(self, logits, spec_decode_metadata)
-
-    for wrapper in (propose_draft_token_ids, _sample):
-        setattr(wrapper, _WRAPPED, True)
-    cls.propose_draft_token_ids, cls._sample = propose_draft_token_ids, _sample
 
 
 def _wrap_init_speculator(original: Callable) -> Callable:
@@ -462,8 +450,8 @@ def _wrap_init_speculator(original: Callable) -> Callable:
     @functools.wraps(original)
     def init_speculator(vllm_config, device, *args, **kwargs):
         if is_dlite_draft(vllm_config.speculative_config):
-            # dlite-adaptive / dlite-hybrid need Model Runner V1: fail with the fix
-            adaptive.check_runner(adaptive.options_from_vllm_config(vllm_config), "v2")
+            for ext in extensions():  # e.g. dlite-adaptive / dlite-hybrid need Model Runner V1
+                ext.check_v2(vllm_config)
             from vllm_dlite.vllm.speculator_v2 import DLiteSpeculator
 
             req_states = kwargs.get("req_states", args[0] if args else None)  # the token history (G > 2)
@@ -485,70 +473,72 @@ def _hook_v2_runner(module) -> None:
         module.init_speculator = _wrap_init_speculator(module.init_speculator)
 
 
-def _hook_worker_base(module) -> None:
-    """Every worker answers ``collective_rpc("dlite_drafting_stats")`` (adaptive/hybrid counters);
-    an added method, nothing of vLLM's is replaced."""
-    if not hasattr(module.WorkerBase, adaptive.WORKER_STATS_METHOD):
-        setattr(module.WorkerBase, adaptive.WORKER_STATS_METHOD, adaptive.worker_stats)
-
-
-_HOOKS: dict[str, Callable] = {
-    "vllm.v1.worker.worker_base": _hook_worker_base,
-    "vllm.v1.worker.gpu_model_runner": _hook_v1_runner,
-    "vllm.v1.worker.gpu.spec_decode": _hook_v2_spec_decode,
-    "vllm.v1.worker.gpu.model_runner": _hook_v2_runner,
+# vLLM module -> [(the compat group the hook needs, hook)]: applied right after the module is
+# imported (or at once if it already is), where the group holds
+_HOOKS: dict[str, list[tuple[str, Callable]]] = {
+    "vllm.v1.worker.gpu_model_runner": [(compat.V1_RUNNER.name, _hook_v1_runner)],
+    "vllm.v1.worker.gpu.spec_decode": [(compat.V2_RUNNER.name, _hook_v2_spec_decode)],
+    "vllm.v1.worker.gpu.model_runner": [(compat.V2_RUNNER.name, _hook_v2_runner)],
 }
+_HOLDING: frozenset[str] = frozenset()  # the compat groups that hold (set when the hooks are installed)
+
+
+def _add_hook(module_name: str, group: str, hook: Callable) -> None:
+    entries = _HOOKS.setdefault(module_name, [])
+    if (group, hook) not in entries:
+        entries.append((group, hook))
+
+
+def _active_hooks(module_name: str) -> list[Callable]:
+    return [hook for group, hook in _HOOKS.get(module_name, ()) if group in _HOLDING]
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Applies a hook right after one of the modules in ``_HOOKS`` finishes importing."""
+    """Applies the hooks right after one of the modules in ``_HOOKS`` finishes importing."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _HOOKS or fullname in _DISABLED_HOOKS:
+        hooks = _active_hooks(fullname)
+        if not hooks:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _HookedLoader(spec.loader, _HOOKS[fullname])
+                spec.loader = _HookedLoader(spec.loader, hooks)
                 return spec
         return None
 
 
 class _HookedLoader(importlib.abc.Loader):
-    def __init__(self, loader, hook):
-        self._loader, self._hook = loader, hook
+    def __init__(self, loader, hooks):
+        self._loader, self._hooks = loader, hooks
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        self._hook(module)
+        for hook in self._hooks:
+            hook(module)
 
     def __getattr__(self, name):  # get_code, get_source, is_package, ...
         return getattr(self._loader, name)
 
 
-# the compat group each runner hook needs (a hook whose group does not hold is not installed)
-_HOOK_GROUPS: dict[str, str] = {
-    "vllm.v1.worker.worker_base": compat.V1_ADAPTIVE.name,
-    "vllm.v1.worker.gpu_model_runner": compat.V1_RUNNER.name,
-    "vllm.v1.worker.gpu.spec_decode": compat.V2_RUNNER.name,
-    "vllm.v1.worker.gpu.model_runner": compat.V2_RUNNER.name,
-}
-
-
-_DISABLED_HOOKS: set[str] = set()
-
-
 def _install_runner_hooks(groups: Optional[frozenset[str]] = None) -> None:
-    groups = compat.holding_groups() if groups is None else groups
-    _DISABLED_HOOKS.update(name for name, group in _HOOK_GROUPS.items() if group not in groups)
-    for name, hook in _HOOKS.items():
-        if name in sys.modules and name not in _DISABLED_HOOKS:
-            hook(sys.modules[name])
+    """The plugin's hooks, the CPU fixes' and the extensions': each where its compat group holds."""
+    global _HOLDING
+    _HOLDING = compat.holding_groups() if groups is None else frozenset(groups)
+    for name, hook in cpu_fixes.runner_hooks().items():
+        _add_hook(name, compat.CPU_FIXES.name, hook)
+    for ext in extensions():
+        for name, group, hook in ext.hooks:
+            _add_hook(name, group, hook)
+    for name in list(_HOOKS):
+        if name in sys.modules:
+            for hook in _active_hooks(name):
+                hook(sys.modules[name])
     if not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportHook())
 

@@ -7,7 +7,7 @@ level, a least-squares draft cost, or fixed costs), and the decision rules: the 
 (:func:`choose_lengths`, all zero when speculation does not pay by ``min_gain``) and which source a
 hybrid request uses (:func:`choose_source`: the one expected to get more tokens accepted). The
 round-by-round policy (exploration, probes, counters) is
-:class:`~vllm_dlite.vllm.adaptive.AdaptiveController`'s.
+:class:`~vllm_dlite.vllm.adaptive.controller.AdaptiveController`'s.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ class _StepFit:
 
 class CostModel:
     """Measured step and draft costs (seconds): see the module docstring of
-    :mod:`vllm_dlite.vllm.adaptive` ("Cost model")."""
+    :mod:`vllm_dlite.vllm.adaptive.controller` ("Cost model")."""
 
     def __init__(self, fixed: Optional[dict] = None, window: int = 64, decay: float = 0.97,
                  level_decay: float = 0.5):
