@@ -10,7 +10,7 @@ export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 OUT=runs/kv-pools
 DATA=runs/dlite-qwen3-tiny-stdlib/data/sequences.jsonl   # from: python -m vllm_dlite.train --config configs/dlite-tiny.yaml --only-data
 for m in eagle3 dflash; do
-  .venv/bin/python -m vllm_dlite.train.baselines --method $m --target models/qwen3-tiny-stdlib \
+  .venv/bin/python -m lab.baselines --method $m --target models/qwen3-tiny-stdlib \
     --data "$DATA" --out "$OUT/$m" --work-dir "$OUT/work" \
     --max-sequences 8 --epochs 1 --max-steps 2 --max-len 1024 --max-anchors 16 --fresh
 done

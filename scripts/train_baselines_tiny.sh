@@ -13,7 +13,7 @@
 # Defaults = the equal-budget recipe of the A/B (benchmarks/results/README.md, "Equal budgets"): the
 # SAME sequences and epoch cap as DLite (6 epochs, last epoch exported), EAGLE-3 with 7 TTT steps as
 # it is served (K = 7), DFlash block 8 (--max-anchors 512); Muon + AdamW at lr 1e-3, linear decay.
-# One CPU thread, tile-sparse attention and heap reuse of vllm_dlite/train/baselines/patches.py:
+# One CPU thread, tile-sparse attention and heap reuse of lab/baselines/patches.py:
 # DFlash 1.6 s a step (2,318 s for 6 epochs of 236 steps), EAGLE-3 ~9.4 s (~3.7 h).
 # A run longer than a session resumes from speculators' checkpoints: re-run the same command. They
 # are saved at every epoch end (EAGLE-3: every quarter epoch, --checkpoint-freq 0.25); the save
@@ -51,7 +51,7 @@ fi
 # 2. target features once (resumable), 3. train + export each baseline
 STORE=(--target "$TARGET" --data "$DATA" --work-dir "$WORK" --features "$FEATURES" --max-len 4096)
 if [ -n "$REUSE" ]; then STORE+=(--reuse-features "$REUSE"); fi
-"$PY" -m vllm_dlite.train.baselines --method dflash --out "models/dflash-$NAME" "${STORE[@]}" \
+"$PY" -m lab.baselines --method dflash --out "models/dflash-$NAME" "${STORE[@]}" \
   --features-only
 for METHOD in $METHODS; do
   if [ ! -d "$WORK/$METHOD-$NAME/checkpoints" ] && [ -d "resume/$METHOD-$NAME/checkpoints" ]; then
@@ -59,6 +59,6 @@ for METHOD in $METHODS; do
   fi
   EXTRA=()
   if [ "$METHOD" = eagle3 ] && [ -n "$EAGLE3_ARGS" ]; then read -r -a EXTRA <<< "$EAGLE3_ARGS"; fi
-  "$PY" -m vllm_dlite.train.baselines --method "$METHOD" --out "models/$METHOD-$NAME" \
+  "$PY" -m lab.baselines --method "$METHOD" --out "models/$METHOD-$NAME" \
     "${STORE[@]}" --epochs "$EPOCHS" "${EXTRA[@]}" "$@"
 done

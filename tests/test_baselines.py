@@ -1,4 +1,4 @@
-"""Baseline drafters trained with speculators==0.9.0 (vllm_dlite.train.baselines), end to end on a
+"""Baseline drafters trained with speculators==0.9.0 (lab.baselines), end to end on a
 tiny random Qwen3 target: feature store in vLLM's aux-id convention, CPU training of EAGLE-3,
 DFlash and DSpark for a couple of steps, exported checkpoints without the target's weights, and
 (slow) vLLM serving them with greedy output identical to no speculation."""
@@ -12,9 +12,9 @@ import helpers_vllm as H
 import pytest
 import torch
 
-from vllm_dlite.train.baselines import features as BF
+from lab.baselines import features as BF
 from vllm_dlite.train import baselines as B
-from vllm_dlite.train.baselines import patches as SP
+from lab.baselines import patches as SP
 
 K = 7
 N_SEQ = 8

@@ -3,6 +3,6 @@
 ``python -m vllm_dlite.train`` (:mod:`.cli`) regenerates on-policy data with vLLM (:mod:`.data`
 from the sessions of :mod:`.workloads`), trains the history teacher and the two stages
 (:mod:`.trainer`), exports a ``dlite_v1`` checkpoint and estimates its acceptance offline
-(:mod:`.offline_eval`). :mod:`.baselines` trains EAGLE-3 / DFlash / DSpark with speculators on the
+(:mod:`.offline_eval`). The EAGLE-3 / DFlash / DSpark baselines train on the
 same data. The runtime (``vllm_dlite.config``, ``.model``, ``.ops``, ``.vllm``) never imports it.
 """

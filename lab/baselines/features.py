@@ -1,4 +1,4 @@
-"""What the baseline drafters of :mod:`vllm_dlite.train.baselines` train from: the vLLM aux layer
+"""What the baseline drafters of :mod:`lab.baselines` train from: the vLLM aux layer
 ids each method reads (:func:`default_layer_ids`, :func:`file_layer_ids`, and the union kept in a
 shared store, :func:`store_layer_ids`), the training rows (:func:`load_sequences`: DLite's
 regenerated sequences with a response loss mask) and the shared feature store
@@ -39,7 +39,7 @@ def evenly_spaced_aux_ids(num_target_layers: int, count: int) -> list[int]:
 
 def default_layer_ids(method: str, num_target_layers: int) -> list[int]:
     """Default vLLM aux ids for ``method`` on an N-layer target (see the docstring of
-    :mod:`vllm_dlite.train.baselines`)."""
+    :mod:`lab.baselines`)."""
     n = num_target_layers
     if method == "eagle3":
         ids = sorted({2, n // 2, n - 1}) if n >= 6 else evenly_spaced_aux_ids(n, min(3, n))

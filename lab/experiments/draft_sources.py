@@ -1,6 +1,6 @@
 """Which draft source should propose, round by round? Exact greedy replays of source policies.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/draft_sources.py \
+    OMP_NUM_THREADS=1 .venv/bin/python lab/experiments/draft_sources.py \
         --workload benchmarks/workloads/heldout_agentic.jsonl --max-requests 24 --max-prompt-tokens 8192 \
         --out benchmarks/results/draft-sources-agentic
 
@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from vllm_dlite.vllm.adaptive.cost import (  # noqa: E402
@@ -354,7 +354,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if trace is None or trace["settings"] != settings(args):
         trace = build_trace(args)
         path.write_text(json.dumps(trace))
-    report = {"settings": trace["settings"] | {"command": "python benchmarks/draft_sources.py " + " ".join(
+    report = {"settings": trace["settings"] | {"command": "python lab/experiments/draft_sources.py " + " ".join(
         argv if argv is not None else sys.argv[1:])}, "policies": evaluate(trace)}
     if args.costs:
         costs = tuple(float(c) / 1e3 for c in args.costs.split(","))

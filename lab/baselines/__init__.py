@@ -2,16 +2,16 @@
 ``speculators==0.9.0`` (vLLM's drafter-training library), on CPU or GPU, from the SAME
 target-regenerated data as DLite.
 
-Pipeline (``python -m vllm_dlite.train.baselines --method eagle3|dflash|dspark ...``):
+Pipeline (``python -m lab.baselines --method eagle3|dflash|dspark ...``):
 
-1. **Sequences** (:mod:`vllm_dlite.train.baselines.features`): the regenerated JSONL of
+1. **Sequences** (:mod:`lab.baselines.features`): the regenerated JSONL of
    :mod:`vllm_dlite.train.data` (prompt + the target's own greedy answer), read through
    :class:`~vllm_dlite.train.sequences.SequenceStore` exactly as DLite's trainer reads it
    (sequences longer than ``--max-len`` keep their LAST tokens; sequences with at least one
    anchor). Each becomes one speculators row ``(input_ids, loss_mask)`` with
    ``loss_mask = 1`` on the response tokens; rows get a fixed shuffle (speculators validates on
    the table's tail, ``--train-data-ratio`` 0.98).
-2. **Features** (one shared store for every method, :mod:`vllm_dlite.train.baselines.features`):
+2. **Features** (one shared store for every method, :mod:`lab.baselines.features`):
    the frozen HF target (:class:`~vllm_dlite.train.features.TargetFeatureExtractor`, vLLM's
    aux-id convention) writes ``hs_{i}.safetensors`` for sequence ``i`` of the store with
    :func:`~vllm_dlite.train.features.write_hs_file`, holding every layer a method may read
@@ -22,16 +22,16 @@ Pipeline (``python -m vllm_dlite.train.baselines --method eagle3|dflash|dspark .
 3. **Training**: speculators' own trainer (``speculators.train.cli.main``) runs in-process; on a
    machine without an accelerator with the CPU-safe settings (``--draft-attn-impl sdpa --loss-implementation eager --num-workers 0
    --hidden-states-dtype float32``) and
-   :func:`~vllm_dlite.train.baselines.patches.cpu_safe_speculators`, which patches the few
+   :func:`~lab.baselines.patches.cpu_safe_speculators`, which patches the few
    accelerator-only calls of its trainer at runtime (nothing in site-packages is edited). Each
    method reads its own layers out of the shared store through the hidden-states backend
-   ``dlite_layers`` (:mod:`vllm_dlite.train.baselines.patches`; speculators' backend plugin
+   ``dlite_layers`` (:mod:`lab.baselines.patches`; speculators' backend plugin
    interface). All of it is fp32 on CPU (drafter, the frozen target copies, hidden states, loss,
    optimizer). Cost on the 2-core CPU (one thread, a step = 4,096 packed tokens of the tiny
    target, CPU seconds, the median of steps 2-7): DFlash block 8 1.55 s, EAGLE-3 9.2 s with 7
    TTT steps and 3.9 s with 3, i.e. ~6 / ~36 / ~15 min an epoch of 236 steps; 4.8 s and 30.6 s
    (DFlash, EAGLE-3 7 steps) before the tile-sparse attention and heap reuse of
-   :func:`~vllm_dlite.train.baselines.patches.cpu_safe_speculators`.
+   :func:`~lab.baselines.patches.cpu_safe_speculators`.
 4. **Export**: the last epoch's checkpoint is copied to ``--out`` (``config.json`` +
    ``model.safetensors``, bf16) WITHOUT the frozen copies of the target's ``embed_tokens`` /
    ``lm_head`` (vLLM then shares the target's, exactly what it does for DLite), plus a README.
@@ -298,7 +298,7 @@ def vllm_speculative_config(method: str, model: PathLike, k: int = K_DEFAULT) ->
 # =========================================================================== CLI
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m vllm_dlite.train.baselines",
+        prog="python -m lab.baselines",
         description="Train an EAGLE-3 / DFlash / DSpark baseline drafter with speculators==0.9.0 "
         "on the target-regenerated data (CPU-safe), and export a vLLM-loadable checkpoint.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -408,7 +408,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
 
     # 4. export
     src = last_checkpoint(recipe.save_path, recipe.epochs)
-    cmd = shlex.join([sys.executable.rsplit("/", 1)[-1], "-m", "vllm_dlite.train.baselines",
+    cmd = shlex.join([sys.executable.rsplit("/", 1)[-1], "-m", "lab.baselines",
                       *(argv if argv is not None else sys.argv[1:])])
     readme = _readme(args.method, recipe, spec_argv, cmd, len(sequences), sequences.num_tokens,
                      t_features, t_train, src)
@@ -426,7 +426,7 @@ def _readme(method, recipe, spec_argv, cmd, n_seq, n_tok, t_features, t_train, s
     return f"""# {method} baseline drafter for {Path(recipe.target).name}
 
 Trained with speculators==0.9.0 (vLLM's drafter-training library) on the target-regenerated data
-(same sequences as DLite), exported by `vllm_dlite.train.baselines`. The target's embed_tokens and
+(same sequences as DLite), exported by `lab.baselines`. The target's embed_tokens and
 lm_head are not stored: vLLM shares the target's.
 
 - command: `{cmd}`

@@ -1,8 +1,8 @@
 """Runtime patches that let ``speculators==0.9.0`` train the baselines of
-:mod:`vllm_dlite.train.baselines` here; nothing in site-packages is edited.
+:mod:`lab.baselines` here; nothing in site-packages is edited.
 :func:`register_layer_backend` adds the ``dlite_layers`` hidden-states backend (speculators' backend
 plugin interface) that reads each method's layers out of the shared store of
-:func:`~vllm_dlite.train.baselines.features.write_feature_store`; :func:`cpu_safe_speculators` is a
+:func:`~lab.baselines.features.write_feature_store`; :func:`cpu_safe_speculators` is a
 context manager that, on a machine without an accelerator, replaces the accelerator-only calls
 of speculators' trainer (device placement, autocast, step timer, checkpoint device), torch
 Muon's bf16 Newton-Schulz step and the dense masked SDPA of the draft models
@@ -33,7 +33,7 @@ def register_layer_backend() -> str:
     """Register (once) the ``dlite_layers`` hidden-states backend with hs_connectors.
 
     speculators' ``file`` backend, extended for the stores of
-    :func:`~vllm_dlite.train.baselines.features.write_feature_store`: row ``r`` of the table reads
+    :func:`~lab.baselines.features.write_feature_store`: row ``r`` of the table reads
     ``hs_{file_index[r]}`` (from the store, else from its ``reuse`` directory) and returns only
     ``target_layer_ids + [N]`` (the ids come from the file's metadata), so one store serves every
     method. Returns the backend name.
@@ -242,7 +242,7 @@ def cpu_safe_speculators() -> Iterator[None]:
     ``torch.accelerator.synchronize()``, and resuming maps tensors to ``get_current_device()``
     (``"cuda:0"`` when there is none). Patched here at runtime, restored on exit; a no-op when an
     accelerator exists. The other CPU needs are plain flags (see
-    :func:`~vllm_dlite.train.baselines.speculators_argv`).
+    :func:`~lab.baselines.speculators_argv`).
 
     Also on CPU: torch's Muon (speculators' default optimizer) orthogonalises each update in
     bfloat16, which a CPU without bf16 matrix units emulates ~100x slower than fp32 (1 vs 137

@@ -2,7 +2,7 @@
 """Training curves of the A/B drafters, side by side: loss and per-position accuracy against the
 fraction of the training budget used.
 
-    .venv/bin/python benchmarks/training_curves.py \\
+    .venv/bin/python lab/experiments/training_curves.py \\
         --speculators eagle3=runs/baselines/train-eagle3.log dflash=runs/baselines/train-dflash.log \\
         --dlite "dlite 1 epoch=runs/dlite-1epoch/work/metrics.jsonl" \\
                 "dlite 6 epochs=models/dlite-qwen3-tiny-stdlib/metrics.jsonl" \\

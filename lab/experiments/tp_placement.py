@@ -2,7 +2,7 @@
 """Where the DLite drafter's weights live under tensor parallelism: memory and time per rank at
 Qwen3-8B shapes, CALCULATED (no GPU needed; the bandwidth is the one measured on an H200).
 
-    .venv/bin/python benchmarks/tp_placement.py [--tp 1 2 4 8] [--collective-us 10] [--json F]
+    .venv/bin/python lab/experiments/tp_placement.py [--tp 1 2 4 8] [--collective-us 10] [--json F]
 
 Terms:
 * ``drafter``: the dlite_v1 checkpoint's own weights (context norm, depth embedding, backbone
@@ -38,7 +38,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 QWEN3_8B = dict(hidden=4096, vocab=151_936, layers=36, kv_heads=8, head_dim=128, tied=False)

@@ -2,11 +2,11 @@
 """Round by round inside the engine: what ``dlite-adaptive`` decided, and how well its cost model
 predicted the steps that followed.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/adaptive_rounds.py \\
+    OMP_NUM_THREADS=1 .venv/bin/python lab/experiments/adaptive_rounds.py \\
         --workload benchmarks/workloads/heldout_agentic.jsonl --max-requests 24 --max-prompt-tokens 8192 \\
         --concurrency 1 --out benchmarks/results/adaptive-rounds-agentic
 
-``benchmarks/draft_sources.py --costs`` replays the controller at fixed costs; this runs it in a
+``lab/experiments/draft_sources.py --costs`` replays the controller at fixed costs; this runs it in a
 real engine (``ab.py``'s: one warm-up request, then the replay, in-process so the controller can be
 watched) and logs every round of the proposer (:class:`~vllm_dlite.vllm.adaptive.AdaptiveController`):
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the controller lives in this process
 
