@@ -57,13 +57,10 @@ _HOOKED = {g.name for g in compat.GROUPS} - {"v2 registry"}
 @pytest.mark.parametrize("version, groups", [
     ("0.32.0", _HOOKED),
     ("0.33.4", _HOOKED),  # an unrecorded patch release: its series' record
-    ("0.34.0", {"core"}),                          # recorded, but not a supported series
+    ("0.34.0", {"core", "v2 runner", "v2 registry"}),  # recorded, but not a supported series
     ("0.31.0", set()), ("unknown", set()),
 ])
 def test_holding_groups(version, groups):
-    if version == "0.34.0":
-        assert compat.holding_groups(version) == compat.KNOWN_GROUPS["0.34.0"]
-        return
     assert compat.holding_groups(version) == groups
 
 
@@ -160,11 +157,11 @@ def test_without_model_runner_v1_adaptive_methods_are_refused_and_dlite_is_regis
         with pytest.raises(ValueError, match="needs Model Runner V1, which vLLM 0.34.0 does not have") as err:
             plugin.prepare_speculative_config({"method": method, "model": str(DRAFTER_DIR)})
         assert "use 'method': 'dlite'" in str(err.value) and "\n" not in str(err.value)
-    assert not plugin.registry_in_use()  # 0.34.0: the V2 speculator is not adapted yet ("v2 runner")
-    assert plugin.prepare_speculative_config({"method": "dlite", "model": str(DRAFTER_DIR)})["method"] == "dflash"
-    monkeypatch.setattr(compat, "KNOWN_GROUPS", {**compat.KNOWN_GROUPS, "0.34.0": frozenset(
-        {"core", "v2 runner", "v2 registry"})})  # once it is
-    assert plugin.registry_in_use()
+    assert plugin.registry_in_use()  # 0.34.0: registry and V2 speculator (its 0.34 adapters) hold
     assert plugin.prepare_speculative_config({"method": "dlite", "model": str(DRAFTER_DIR)})["method"] == "dlite"
+    monkeypatch.setattr(compat, "KNOWN_GROUPS", {**compat.KNOWN_GROUPS, "0.34.0": frozenset(
+        {"core", "v2 registry"})})  # a release whose V2 speculator internals moved: not registered
+    assert not plugin.registry_in_use()
+    assert plugin.prepare_speculative_config({"method": "dlite", "model": str(DRAFTER_DIR)})["method"] == "dflash"
     monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
     assert not plugin.registry_in_use()

@@ -5,6 +5,9 @@
 * The check is not vacuous: in a copy of each release's tree, renaming one function, one private
   attribute, one protocol name or one parameter the plugin relies on makes exactly the group that
   needs it fail, naming the symbol.
+* The V2 speculator's adapters fit each release: ``compat.graph_manager_decode_query`` binds the
+  real ``CudaGraphManager.__init__`` parameters of each, and ``DLiteSpeculator`` keeps each base's
+  method signatures, defines its abstract methods and assigns none of its read-only properties.
 
 Sources: ``bash scripts/fetch_vllm_sources.sh`` (skipped, naming that command, when absent).
 """
@@ -44,6 +47,15 @@ def _rename_first_after(anchor: str, old: str, new: str):
     return mutate
 
 
+def _rename_parameter(old: str, new: str):
+    """The first parameter line ``    old: ...`` / ``    old,`` of the file (its first definition)."""
+    def mutate(text: str) -> str:
+        out, n = re.subn(rf"(?m)^(\s+){re.escape(old)}(\s*[:,=)])", rf"\g<1>{new}\g<2>", text, count=1)
+        assert n == 1, old
+        return out
+    return mutate
+
+
 def _rename_all(old: str, new: str):
     def mutate(text: str) -> str:
         assert re.search(re.escape(old), text), old
@@ -68,7 +80,18 @@ MUTATIONS = [
      "v1 runner", "no attribute token_ids_cpu", ("0.32.0", "0.33.0")),
     ("private attribute", "v1/worker/gpu/spec_decode/speculator.py",
      _rename_all("num_speculative_steps", "num_steps"), "v2 runner", "no attribute num_speculative_steps",
+     VERSIONS),
+    ("parameter", "v1/worker/gpu/cudagraph_utils.py", _rename_parameter("decode_query_len", "decode_query_size"),
+     "v2 runner", "CudaGraphManager.__init__: signature (self, vllm_config, device, cudagraph_mode, decode_query_size",
      ("0.32.0", "0.33.0")),
+    ("parameter", "v1/worker/gpu/cudagraph_utils.py", _rename_parameter("decode_query_lens", "decode_query_sizes"),
+     "v2 runner", "CudaGraphManager.__init__: signature (self, vllm_config, device, cudagraph_mode, decode_query_sizes",
+     ("0.34.0",)),
+    ("private attribute", "v1/worker/gpu/spec_decode/draft_logits.py", _rename_all("self.values =", "self.logits ="),
+     "v2 runner", "DraftLogitsCache: no attribute values", ("0.34.0",)),
+    ("class", "v1/worker/gpu/spec_decode/draft_logits.py",
+     _rename_all("class DraftLogitsCache:", "class DraftLogitCache:"), "v2 runner", "DraftLogitsCache: not defined",
+     ("0.34.0",)),
     ("parameter", "v1/worker/gpu/spec_decode/__init__.py", _rename_all("req_states", "request_states"),
      "v2 runner", "init_speculator: signature", ("0.32.0", "0.33.0")),
     ("module attribute", "triton_utils/dispatcher.py", _rename_all("_registry", "_kernels"),
@@ -138,3 +161,89 @@ def test_the_0_34_registry_adapter_fits_0_34():
     overridden = {n.name for n in ours.body if isinstance(n, ast.FunctionDef)} | {
         t.id for n in ours.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     assert overridden and overridden <= declared, sorted(overridden - declared)
+
+
+def _speculator_v2_module():
+    import ast
+
+    import vllm_dlite.vllm
+
+    return ast.parse(Path(vllm_dlite.vllm.__file__).with_name("speculator_v2.py").read_text())
+
+
+def _manager_class_from_source(version: str):
+    """A stand-in class whose ``__init__`` has exactly the parameters of ``version``'s
+    ``CudaGraphManager.__init__`` (annotations dropped, defaults None), read from its source."""
+    import ast
+
+    tree = SourceTree(source_root(version))
+    _, hit = tree.resolve("v1.worker.gpu.cudagraph_utils", "CudaGraphManager.__init__")
+    args = hit[1].args
+    args.defaults = [ast.Constant(None) for _ in args.defaults]
+    args.kw_defaults = [None if d is None else ast.Constant(None) for d in args.kw_defaults]
+    for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+        if a is not None:
+            a.annotation = None
+    params = ast.unparse(args)
+    namespace: dict = {}
+    exec(f"class CudaGraphManager:\n    def __init__({params}):\n        self.bound = dict(locals())\n",  # noqa: S102
+         namespace)
+    return namespace["CudaGraphManager"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_graph_manager_adapter_binds_each_release_signature(version):
+    """compat.graph_manager_decode_query against each release's real CudaGraphManager.__init__
+    parameters: the keyword it picks binds, with the value that release expects."""
+    cls = _manager_class_from_source(version)
+    kwargs = compat.graph_manager_decode_query(cls, query_len=1, max_num_reqs=8)
+    bound = cls("vllm_config", "device", "cudagraph_mode", **kwargs).bound
+    if version == "0.34.0":
+        assert bound["decode_query_lens"] == {1: 8}
+    else:
+        assert bound["decode_query_len"] == 1
+
+
+def _is_abstract(node) -> bool:
+    import ast
+
+    return any((isinstance(d, ast.Name) and d.id == "abstractmethod")
+               or (isinstance(d, ast.Attribute) and d.attr == "abstractmethod") for d in node.decorator_list)
+
+
+def _is_read_only_property(klass, name: str) -> bool:
+    import ast
+
+    decorated = [d for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name for d in n.decorator_list]
+    is_property = any(isinstance(d, ast.Name) and d.id == "property" for d in decorated)
+    has_setter = any(isinstance(d, ast.Attribute) and d.attr == "setter" for d in decorated)
+    return is_property and not has_setter
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_dlite_speculator_fits_each_release_base(version):
+    """DLiteSpeculator (read as source) against each release's DraftModelSpeculator and its bases:
+    every method it overrides keeps the base's full signature (``__init__`` excepted: it adds
+    ``req_states=``), it defines every abstract method, and no attribute it assigns is a read-only
+    property there (0.34 made ``max_model_len`` one)."""
+    import ast
+
+    ours = next(n for n in _speculator_v2_module().body if isinstance(n, ast.ClassDef) and n.name == "DLiteSpeculator")
+    methods = {n.name: n for n in ours.body if isinstance(n, ast.FunctionDef)}
+    assigned = {t.attr for n in ast.walk(ours) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert {"draft_attn_layer_names", "features", "graphs"} <= assigned
+
+    tree = SourceTree(source_root(version))
+    module, base = tree.lookup("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator")
+    chain = [base, *(k for _, k in tree.bases(module, base))]
+    overridden = [name for name in methods if name != "__init__" and tree.member(module, base, name) is not None]
+    assert {"propose", "set_attn", "load_draft_model", "init_cudagraph_manager", "capture"} <= set(overridden)
+    for name in overridden:
+        _, theirs = tree.member(module, base, name)
+        assert compat.format_ast_signature(methods[name].args) == compat.format_ast_signature(theirs.args), name
+    abstract = {n.name for k in chain for n in k.body if isinstance(n, ast.FunctionDef) and _is_abstract(n)}
+    assert abstract and abstract <= set(methods), sorted(abstract - set(methods))
+    read_only = sorted(a for a in assigned if any(_is_read_only_property(k, a) for k in chain))
+    assert read_only == [], f"DLiteSpeculator assigns read-only properties of vLLM {version}'s base: {read_only}"

@@ -561,30 +561,44 @@ def _propose(spec, batch, aux, inputs, temperature=None):
 @pytest.mark.parametrize("G", [1, 2])
 def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
     """DLiteSpeculator (Model Runner V2) is created by the wrapped init_speculator; its row/token
-    gathering and drafting are checked on CPU against the offline drafter, with V2's tensor shapes."""
+    gathering and drafting are checked on CPU against the offline drafter, with V2's tensor shapes;
+    probabilistic draft logits are written into either release's draft_logits; the graph holder's
+    constructor arguments bind this vLLM's CudaGraphManager (compat.graph_manager_decode_query; the
+    manager itself needs vLLM's distributed groups, so it is not built here)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm_dlite.vllm import compat
+    from vllm_dlite.vllm.speculator_v2 import CudaGraphManager
+
     spec, drafter = _v2_speculator(models, models.drafter if G == 1 else g2["random"])
     spec.init_cudagraph_manager(None)
     assert spec.graphs is None and spec.draft_attn_layer_names == set()
+    kwargs = compat.graph_manager_decode_query(CudaGraphManager, query_len=1, max_num_reqs=spec.max_num_reqs)
+    inspect.signature(CudaGraphManager.__init__).bind(None, spec.vllm_config, spec.device, None, **kwargs)
     batch, aux, inputs, feats, previous, anchors = _fake_v2_batch(len(spec.dlite_config.target_layer_ids))
     drafts = _propose(spec, batch, aux, inputs)
     group = anchors[:, None] if G == 1 else torch.stack([previous, anchors], dim=1)  # x_{a-1}: the row's input
     expected = drafter.draft(feats, group)
     assert drafts.tolist() == expected.token_ids.tolist()
 
-    # probabilistic drafting: pre-temperature logits land in draft_logits[req_state]
+    # probabilistic drafting: pre-temperature logits land in draft_logits at row req_state, whether
+    # draft_logits is 0.32's tensor or 0.34's DraftLogitsCache (a fake: .values, .row_mapping None)
     K = spec.num_speculative_steps
-    spec.draft_logits = torch.zeros(8, K, H.TARGET_VOCAB)
-    temps = torch.zeros(8)
-    temps[0] = 0.7  # req1 (state 0) samples; req0 (state 5) and req2 (state 2) are greedy
-    drafts = _propose(spec, batch, aux, inputs, temps)
-    assert drafts[0].tolist() == expected.token_ids[0].tolist()
-    assert drafts[2].tolist() == expected.token_ids[2].tolist()
-    for state, b in ((5, 0), (0, 1), (2, 2)):
-        if b != 1:  # greedy rows: exactly the offline logits
-            torch.testing.assert_close(spec.draft_logits[state], expected.logits[b])
-        else:  # sampled row: logits of the sampled prefix (first position is prefix-free)
-            torch.testing.assert_close(spec.draft_logits[state][0], expected.logits[b][0])
-    assert spec.draft_logits[1].abs().sum() == 0  # untouched request state
+    for release in ("0.32", "0.34"):
+        values = torch.zeros(8, K, H.TARGET_VOCAB)
+        spec.draft_logits = values if release == "0.32" else SimpleNamespace(values=values, row_mapping=None)
+        temps = torch.zeros(8)
+        temps[0] = 0.7  # req1 (state 0) samples; req0 (state 5) and req2 (state 2) are greedy
+        drafts = _propose(spec, batch, aux, inputs, temps)
+        assert drafts[0].tolist() == expected.token_ids[0].tolist()
+        assert drafts[2].tolist() == expected.token_ids[2].tolist()
+        for state, b in ((5, 0), (0, 1), (2, 2)):
+            if b != 1:  # greedy rows: exactly the offline logits
+                torch.testing.assert_close(values[state], expected.logits[b])
+            else:  # sampled row: logits of the sampled prefix (first position is prefix-free)
+                torch.testing.assert_close(values[state][0], expected.logits[b][0])
+        assert values[1].abs().sum() == 0, release  # untouched request state
 
 
 @pytest.mark.parametrize("G", [1, 2])

@@ -11,7 +11,9 @@ touches private names. They are all listed in :data:`GROUPS`:
 * **private attributes** the plugin reads or writes on vLLM's objects (:class:`Need.attrs`):
   found as class attributes, annotations, or ``self.<name> = ...`` in the class or its bases;
 * **protocols**: names that vLLM's code must still use on the plugin's objects (:class:`Need.uses`,
-  e.g. the V1 runner calls ``drafter.take_last_draft_probs()``).
+  e.g. the V1 runner calls ``drafter.take_last_draft_probs()``);
+* **newer-release symbols** (:class:`Need.optional`): a module only some releases have (0.34's
+  ``DraftLogitsCache``), checked where it exists; where it does not, the adapter's older path is used.
 
 A group that does not hold turns off only its features (:func:`group_problems`): a vLLM without
 Model Runner V1 (0.34) loses the V1 proposer, the adaptive/hybrid hooks and the CPU fixes, not the
@@ -54,7 +56,10 @@ class Need:
     its attributes, a function passed through unchanged).
     ``attrs``: attributes of the class ``path`` (or of its instances) that the plugin reads or writes.
     ``uses``: names that must appear in the source of ``path`` (vLLM's side of a protocol).
-    ``external``: ``module`` is not part of vLLM (the standard library): checked at run time only."""
+    ``external``: ``module`` is not part of vLLM (the standard library): checked at run time only.
+    ``optional``: non-empty when ``module`` may be absent (releases before it): what the plugin uses
+    there instead. Where the module exists the need is checked as any other; where it is absent it
+    is no problem."""
 
     module: str
     path: str
@@ -63,6 +68,7 @@ class Need:
     uses: tuple[str, ...] = ()
     use: str = ""
     external: bool = False
+    optional: str = ""
 
     @property
     def name(self) -> str:
@@ -163,8 +169,10 @@ V2_RUNNER = Group("v2 runner", "Model Runner V2 (vLLM's GPU default): the DLite 
          attrs=("draft_logits", "num_speculative_steps", "draft_tokens", "max_num_reqs", "dtype",
                 "enable_adaptive_verification", "use_acceptance_estimator", "draft_watermarker",
                 "draft_model_config", "vllm_config", "device", "model", "model_state", "kv_cache_config",
-                "block_tables", "target_input_buffers", "target_attn_groups", "supports_decode_metadata_update"),
-         use="subclassed: DLiteSpeculator"),
+                "block_tables", "target_input_buffers", "target_attn_groups", "supports_decode_metadata_update",
+                "speculative_config"),
+         use="subclassed: DLiteSpeculator (draft_logits: a tensor on 0.32-0.33, a DraftLogitsCache on 0.34, "
+             "adapter 'draft logits cache')"),
     Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.load_draft_model",
          ("self, target_model, target_attn_layer_names",)),
     Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.set_attn",
@@ -176,9 +184,15 @@ V2_RUNNER = Group("v2 runner", "Model Runner V2 (vLLM's GPU default): the DLite 
          ("self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled, "
           "num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, dp_sync_state=, dummy_run=, "
           "skip_attn_for_dummy_run=, mm_inputs=, is_profile=, num_speculative_tokens=",)),
+    Need("v1.worker.gpu.spec_decode.draft_logits", "DraftLogitsCache", attrs=("values", "row_mapping"),
+         optional="0.32-0.33 have no DraftLogitsCache: draft_logits is a [max_num_reqs, K, vocab] tensor",
+         use="written (0.34+): draft_logits.values at this rank's row of each request (adapter 'draft logits cache')"),
     Need("v1.worker.gpu.cudagraph_utils", "CudaGraphManager.__init__",
          ("self, vllm_config, device, cudagraph_mode, decode_query_len, lora_capture_cases=, varlen_decode=, "
-          "ubatch_runner=",), use="subclassed: draft graphs"),
+          "ubatch_runner=",  # 0.32, 0.33
+          "self, vllm_config, device, cudagraph_mode, decode_query_lens, lora_capture_cases=, varlen_decode=, "
+          "ubatch_runner=, decode_request_sizes=",  # 0.34
+          ), use="subclassed: draft graphs (adapter 'CudaGraphManager decode query lengths')"),
     Need("v1.worker.gpu.states", "RequestState", attrs=("all_token_ids",),
          use="read: the token history (G > 2)"),
     Need("v1.worker.gpu.buffer_utils", "StagedWriteTensor", attrs=("gpu",)),
@@ -232,9 +246,8 @@ _HOOKED = frozenset(g.name for g in GROUPS) - {V2_REGISTRY.name}
 KNOWN_GROUPS: dict[str, frozenset[str]] = {
     "0.32.0": _HOOKED,
     "0.33.0": _HOOKED,
-    # no Model Runner V1; V2's CudaGraphManager takes decode_query_lens and draft_logits is a
-    # DraftLogitsCache (ADAPTERS): the V2 speculator is not adapted yet
-    "0.34.0": frozenset({CORE.name, V2_REGISTRY.name}),
+    # no Model Runner V1; the V2 speculator through the registry, with the 0.34 adapters (ADAPTERS)
+    "0.34.0": frozenset({CORE.name, V2_RUNNER.name, V2_REGISTRY.name}),
 }
 
 
@@ -266,11 +279,13 @@ def group_off_message(group: Union[str, Group], version: Optional[str] = None) -
 # =========================================================================== adapters
 @dataclass(frozen=True)
 class Adapter:
-    """A named difference between vLLM releases and how the plugin handles it."""
+    """A named difference between vLLM releases and how the plugin handles it (``function``: the
+    function of this module that does it, when there is one)."""
 
     name: str
     series: tuple[str, ...]
     what: str
+    function: str = ""
 
 
 ADAPTERS: tuple[Adapter, ...] = (
@@ -284,11 +299,75 @@ ADAPTERS: tuple[Adapter, ...] = (
             "registry_v034.DLiteSpeculatorConfig registered with register_speculative_method (group 'v2 registry'), "
             "replacing the init_speculator wrapper and the dlite -> dflash mapping; registered only where "
             "'v2 runner' holds too"),
-    Adapter("V2 speculator on 0.34 (TODO, speculator_v2.py)", ("0.34",),
-            "CudaGraphManager(..., decode_query_lens: Mapping[int, int]) instead of decode_query_len; "
-            "DraftModelSpeculator.draft_logits is a DraftLogitsCache (write .values): until DLiteSpeculator "
-            "handles both, 'v2 runner' does not hold on 0.34 and DLite stays off there"),
+    Adapter("CudaGraphManager decode query lengths", ("0.34",),
+            "V2's CudaGraphManager.__init__ takes decode_query_lens: Mapping[query length, max requests] "
+            "(and decode_request_sizes=) instead of decode_query_len: int; DLiteSpeculator's graph holder "
+            "passes the keyword this vLLM's signature has, for one-token decode queries",
+            function="graph_manager_decode_query"),
+    Adapter("draft logits cache", ("0.34",),
+            "DraftModelSpeculator.draft_logits is a DraftLogitsCache (allocated in load_model; rows in "
+            ".values, .row_mapping for a batch-sharded cache) instead of a [max_num_reqs, K, vocab] tensor "
+            "allocated in __init__; DLiteSpeculator writes probabilistic draft logits through one function "
+            "for both, and decides eager drafting from draft_sample_method, not from draft_logits",
+            function="write_draft_logits"),
 )
+
+
+_DECODE_QUERY_KEYWORD: dict[type, str] = {}
+
+
+def graph_manager_decode_query(manager_cls: type, query_len: int, max_num_reqs: int) -> dict[str, Any]:
+    """The keyword argument that tells ``manager_cls(vllm_config, device, cudagraph_mode, **it)``
+    (vLLM's V2 ``CudaGraphManager`` or a subclass) that uniform decode batches have ``query_len``
+    tokens per request and at most ``max_num_reqs`` requests:
+
+    * 0.32-0.33: ``{"decode_query_len": query_len}``;
+    * 0.34+: ``{"decode_query_lens": {query_len: max_num_reqs}}``.
+
+    Chosen from the parameters of ``manager_cls.__init__`` (read once per class). Raises TypeError,
+    naming the compat group, when the constructor takes neither."""
+    keyword = _DECODE_QUERY_KEYWORD.get(manager_cls)
+    if keyword is None:
+        params = inspect.signature(manager_cls.__init__).parameters
+        keyword = next((k for k in ("decode_query_lens", "decode_query_len") if k in params), None)
+        if keyword is None:
+            raise TypeError(
+                f"{manager_cls.__module__}.{manager_cls.__qualname__}.__init__ takes neither decode_query_len "
+                f"(vLLM 0.32-0.33) nor decode_query_lens (0.34): on vLLM {installed_version()} compat group "
+                f"{V2_RUNNER.name!r} (the DLite speculator) does not hold; serve DLite with "
+                "VLLM_USE_V2_MODEL_RUNNER=0 (Model Runner V1) or on a release recorded in compat.KNOWN_GROUPS")
+        _DECODE_QUERY_KEYWORD[manager_cls] = keyword
+    if keyword == "decode_query_lens":
+        return {keyword: {query_len: max_num_reqs}}
+    return {keyword: query_len}
+
+
+def write_draft_logits(draft_logits: Any, req_state_idx: Any, logits: Any) -> None:
+    """Store the pre-temperature draft logits ``logits [B, k, vocab]`` of the requests in states
+    ``req_state_idx [B]`` at draft positions ``0..k-1`` of a V2 speculator's ``draft_logits``, where
+    V2's rejection sampler reads them (cast to its dtype):
+
+    * 0.32-0.33: a ``[max_num_reqs, K, vocab]`` tensor, row = request state;
+    * 0.34+: a ``DraftLogitsCache``: rows of ``.values``; a batch-sharded cache's ``.row_mapping``
+      gives this rank's row of each request state, -1 where another rank caches it (not written).
+
+    Raises TypeError for anything else."""
+    import torch
+
+    if isinstance(draft_logits, torch.Tensor):
+        values, rows = draft_logits, req_state_idx.long()
+    elif isinstance(getattr(draft_logits, "values", None), torch.Tensor) and hasattr(draft_logits, "row_mapping"):
+        values, rows = draft_logits.values, req_state_idx.long()
+        if draft_logits.row_mapping is not None:
+            rows = draft_logits.row_mapping[rows].long()
+            mine = rows >= 0
+            rows, logits = rows[mine], logits[mine]
+    else:
+        raise TypeError(
+            f"draft_logits is a {type(draft_logits).__qualname__}, neither a tensor (vLLM 0.32-0.33) nor a "
+            f"DraftLogitsCache with .values/.row_mapping (0.34): vLLM {installed_version()} changed it; the "
+            f"DLite speculator needs compat group {V2_RUNNER.name!r}")
+    values[rows, : logits.shape[1]] = logits.to(values.dtype)
 
 
 # =========================================================================== versions
@@ -476,6 +555,8 @@ def check_need(need: Need) -> list[str]:
     try:
         owner, obj = _resolve_need(need)
     except Exception as exc:  # noqa: BLE001 - any failure is a finding
+        if need.optional and isinstance(exc, ModuleNotFoundError) and exc.name == f"vllm.{need.module}":
+            return []  # a release before the module: the adapter's older path
         return [f"{need.name}: {type(exc).__name__}: {exc}"]
     problems = []
     if need.signatures:
@@ -524,4 +605,5 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[Signature, ...]]], ...] = 
 
 __all__ = ["ADAPTERS", "CORE", "CPU_FIXES", "GROUPS", "V2_REGISTRY", "KNOWN_GROUPS", "group_off_message", "holding_groups", "PRIVATE_SYMBOLS", "SUPPORTED_VLLM_SERIES",
            "V1_ADAPTIVE", "V1_RUNNER", "V2_RUNNER", "Group", "Need", "check", "check_need", "format_signature",
-           "group_problems", "installed_version", "resolve", "series_of", "supported", "unsupported_message"]
+           "graph_manager_decode_query", "group_problems", "installed_version", "resolve", "series_of", "supported",
+           "unsupported_message", "write_draft_logits"]

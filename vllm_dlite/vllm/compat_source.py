@@ -156,10 +156,13 @@ class SourceTree:
 
 
 def check_need(tree: SourceTree, need: compat.Need) -> list[str]:
-    """:func:`vllm_dlite.vllm.compat.check_need`, read from ``tree`` (external needs: not checked)."""
+    """:func:`vllm_dlite.vllm.compat.check_need`, read from ``tree`` (external needs: not checked;
+    an ``optional`` need whose module the tree lacks: no problem)."""
     if need.external:
         return []
     owner, hit = tree.resolve(need.module, need.path)
+    if owner is None and need.optional:
+        return []  # a release before the module: the adapter's older path
     if hit is None:
         where = "module absent" if owner is None else "not defined"
         return [f"{need.name}: {where}"]

@@ -24,8 +24,8 @@ This module imports vLLM's config modules only (vLLM's rule for speculator confi
 in every process), and only when vLLM resolves the registered name. What it relies on is the
 ``"v2 registry"`` group of :mod:`vllm_dlite.vllm.compat`, checked against the 0.34 sources by
 ``tests/test_compat_sources.py``. The plugin registers it only where both that group and
-``"v2 runner"`` (the speculator's own internals) hold; on 0.34.0 the speculator still needs the
-0.34 adapters named in ``compat.ADAPTERS``, so it is not registered there yet.
+``"v2 runner"`` (the speculator's own internals, with the 0.34 adapters named in
+``compat.ADAPTERS``) hold: both hold on 0.34.0.
 """
 
 from __future__ import annotations

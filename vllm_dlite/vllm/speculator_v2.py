@@ -19,22 +19,25 @@ greedy path:
 No draft attention layers, so no draft KV cache and no draft attention metadata (``set_attn``
 only keeps the runner's objects). ``draft_sample_method="probabilistic"`` samples sampled rows
 from ``softmax(logits / T_request)`` and writes the pre-temperature logits into
-``self.draft_logits[req_state]`` (what V2's rejection sampler reads); this path groups requests
-by temperature (one host sync) and runs eagerly.
+``self.draft_logits`` at each request's row (what V2's rejection sampler reads; a tensor on vLLM
+0.32-0.33, a ``DraftLogitsCache`` on 0.34: :func:`vllm_dlite.vllm.compat.write_draft_logits`); this
+path groups requests by temperature (one host sync) and runs eagerly.
 
 CUDA graphs: when the runner's cudagraph mode is not NONE and drafts are greedy, ``capture()``
 records ONE graph per batch size (powers of two up to ``max_num_seqs``, plus ``max_num_seqs``)
 of the whole draft step over static buffers, into vLLM's global graph pool; a batch replays the
 smallest captured size >= its size. The graphs live in a ``CudaGraphManager`` subclass so that
-vLLM's cudagraph memory profiling drops them like its own speculators' managers.
+vLLM's cudagraph memory profiling drops them like its own speculators' managers (its constructor's
+decode-query keyword differs between releases: :func:`vllm_dlite.vllm.compat.graph_manager_decode_query`).
 
 Not supported (clear errors or warnings): tensor/data parallel drafting with a sharded vocab,
 adaptive verification (no confidence head), draft watermarking, multimodal draft inputs.
 
 This module must import on CPU-only installs: vLLM's V2 modules are imported in a ``try`` and a
 placeholder that raises on use is defined when they are unavailable. It was written against
-vLLM 0.32's V2 code and exercised on CPU with a fake batch (tests); GPU graph capture is untested
-here.
+vLLM 0.32's V2 code and exercised on CPU with a fake batch (tests); what differs on 0.33-0.34 goes
+through the named adapters of :mod:`vllm_dlite.vllm.compat` (``ADAPTERS``, compat group
+``"v2 runner"``). GPU graph capture is untested here.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import logging
 from typing import Any, Optional
 
 import torch
+
+from vllm_dlite.vllm import compat
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
@@ -73,7 +78,8 @@ class _DLiteGraphs(CudaGraphManager):  # type: ignore[misc,valid-type]
     memory profiling discards it after its throwaway capture)."""
 
     def __init__(self, vllm_config, device, cudagraph_mode, sizes: list[int]):
-        super().__init__(vllm_config, device, cudagraph_mode, decode_query_len=1)
+        super().__init__(vllm_config, device, cudagraph_mode, **compat.graph_manager_decode_query(
+            CudaGraphManager, query_len=1, max_num_reqs=vllm_config.scheduler_config.max_num_seqs))
         self.sizes = sorted(sizes)
         self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -166,7 +172,8 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             cudagraph_mode is not None
             and cudagraph_mode != CUDAGraphMode.NONE
             and torch.device(self.device).type == "cuda"
-            and self.draft_logits is None  # probabilistic drafting runs eagerly
+            # probabilistic drafting runs eagerly (by the config: 0.34 allocates draft_logits in load_model)
+            and self.speculative_config.draft_sample_method != "probabilistic"
             and self.dlite_config.anchor_group_size <= 2  # G > 2 reads the token history: eager
         )
         if use_graphs:
@@ -287,7 +294,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
                 features, group_ids, group_lens, temperatures=temperature[idx].float(), k=k,
                 return_logits=True,
             )
-            self.draft_logits[idx, :k] = logits.to(self.draft_logits.dtype)
+            compat.write_draft_logits(self.draft_logits, idx, logits)
             self.draft_tokens[:n, :k].copy_(ids)
             return self.draft_tokens[:n]
 
