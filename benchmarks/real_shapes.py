@@ -23,7 +23,7 @@ Contract (what a run builds, checks and writes):
   shapes (DLITE_V1.md section 7): 5 draft layers, full intermediate size 9728, L = 14 features
   (``target_layer_ids`` by the authors' rule for N = 36), rank 320, B = 8 (K = 7), G = 1,
   ``mask_token_id`` = the tokenizer's ``<|mask|>``; 603,322,560 parameters (checked); matrices
-  N(0, 0.2); written with ``DLiteDrafter.save_pretrained`` in bf16 and split into 3 shards + index
+  N(0, 0.2); written with ``vllm_dlite.model.save_pretrained`` in bf16 and split into 3 shards + index
   (:func:`shard_checkpoint`).
 * **Serving** (:func:`serve`, per runner, each engine in a fresh process: ``v1`` plain, ``v2``
   through Triton's interpreter, :func:`lab.harness.runners.call_with_runner`): vLLM's in-process
@@ -234,7 +234,7 @@ def write_drafter(directory: Path, target_cfg: dict, size: str, mask_token_id: i
     its bf16 values, to check a load against)."""
     import torch
 
-    from vllm_dlite.model import DLiteDrafter
+    from vllm_dlite.model import DLiteDrafter, save_pretrained
 
     torch.manual_seed(seed)
     drafter = DLiteDrafter(drafter_config(target_cfg, size, mask_token_id))
@@ -244,7 +244,7 @@ def write_drafter(directory: Path, target_cfg: dict, size: str, mask_token_id: i
                 p.normal_(0.0, DRAFTER_STD)
     params = sum(p.numel() for p in drafter.parameters())
     checksums = {k: float(v.detach().to(torch.bfloat16).double().sum()) for k, v in drafter.state_dict().items()}
-    drafter.save_pretrained(directory, target_cfg, dtype=torch.bfloat16)
+    save_pretrained(drafter, directory, target_cfg, dtype=torch.bfloat16)
     del drafter
     shard_checkpoint(Path(directory), shards)
     return {"params": params, "checksums": checksums}

@@ -7,7 +7,7 @@ Everything here is small enough for a 2-core CPU:
   scale is larger than HF's default so greedy argmaxes are decisive (no near-ties that numeric
   noise between batch shapes could flip).
 * :func:`make_random_drafter` writes a random dlite_v1 checkpoint in the authors' layout
-  (``DLiteDrafter.save_pretrained``).
+  (``vllm_dlite.model.save_pretrained``).
 * :func:`make_copy_drafter` writes a dlite_v1 checkpoint that drafts ``[x_a, x_a, ..., x_a]`` (the
   anchor repeated) for a tied-embedding target, through the sequential head alone.
   Random targets fall into repetition loops under greedy decoding, so this drafter gets real
@@ -163,7 +163,7 @@ def make_random_drafter(
     directory: Path, target_dir: Path, *, seed: int = 1, std: float = 0.2, **overrides
 ) -> Path:
     """Random dlite_v1 checkpoint for ``target_dir`` (authors' layout, fp32 on disk)."""
-    from vllm_dlite.model import DLiteDrafter
+    from vllm_dlite.model import DLiteDrafter, save_pretrained
 
     torch.manual_seed(seed)
     drafter = DLiteDrafter(_dlite_config(target_dir, **overrides))
@@ -171,7 +171,7 @@ def make_random_drafter(
         for p in drafter.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, std)
-    drafter.save_pretrained(directory, target_config(target_dir), dtype=torch.float32)
+    save_pretrained(drafter, directory, target_config(target_dir), dtype=torch.float32)
     return Path(directory)
 
 
@@ -182,7 +182,7 @@ def make_copy_drafter(directory: Path, target_dir: Path, *, gain: float = 0.3, *
     argmax is ``t`` for the random target's embedding."""
     from safetensors.torch import load_file
 
-    from vllm_dlite.model import DLiteDrafter
+    from vllm_dlite.model import DLiteDrafter, save_pretrained
 
     t = target_config(target_dir)
     assert t.get("tie_word_embeddings"), "the copy drafter needs lm_head == embed_tokens"
@@ -201,7 +201,7 @@ def make_copy_drafter(directory: Path, target_dir: Path, *, gain: float = 0.3, *
         head.state_hidden_mlp.weight[:, :H].copy_(torch.eye(H))  # o = s
         head.state_hidden_mlp.bias.zero_()
         head.output_proj.weight.copy_(E[: drafter.config.vocab_size])
-    drafter.save_pretrained(directory, t, dtype=torch.float32)
+    save_pretrained(drafter, directory, t, dtype=torch.float32)
     return Path(directory)
 
 

@@ -26,7 +26,7 @@ from vllm_dlite.config import (
     build_target_layer_ids,
     target_default_warning,
 )
-from vllm_dlite.model import CheckpointError, DLiteDrafter, check_checkpoint, load_drafter
+from vllm_dlite.model import CheckpointError, DLiteDrafter, check_checkpoint, load_drafter, save_pretrained
 
 N, L, V, H = 6, 4, 97, 64
 
@@ -209,7 +209,7 @@ def test_yarn_changes_the_drafts_and_survives_save_and_load(tmp_path):
     yarn.load_state_dict(plain.state_dict())
     feats, group = torch.randn(2, L, H), torch.randint(4, V, (2, 1))
     assert not torch.equal(plain.draft(feats, group).logits, yarn.draft(feats, group).logits)
-    d = yarn.save_pretrained(tmp_path / "yarn", dtype=torch.float32)
+    d = save_pretrained(yarn, tmp_path / "yarn", dtype=torch.float32)
     written = json.loads((d / "config.json").read_text())
     assert written["rope_scaling"] == YARN and written["max_position_embeddings"] == 131072
     loaded = load_drafter(d)
@@ -295,7 +295,7 @@ def test_vllm_draft_model_logs_it_once_at_load(tmp_path, caplog):
     from vllm_dlite.vllm.draft_model import _warn_on_defaults
 
     model = _drafter(full_config())
-    d = model.save_pretrained(tmp_path / "d", dtype=torch.float32)
+    d = save_pretrained(model, tmp_path / "d", dtype=torch.float32)
     cfg = json.loads((d / "config.json").read_text())
     del cfg["rope_theta"]
     (d / "config.json").write_text(json.dumps(cfg))
@@ -309,7 +309,7 @@ def test_vllm_draft_model_logs_it_once_at_load(tmp_path, caplog):
 def test_a_default_the_tensors_contradict_is_named_in_the_shape_error(tmp_path):
     """A config.json without num_key_value_heads (-> 32) beside tensors for 2 KV heads."""
     model = _drafter(full_config(num_attention_heads=32, head_dim=16))
-    d = model.save_pretrained(tmp_path / "d", dtype=torch.float32)
+    d = save_pretrained(model, tmp_path / "d", dtype=torch.float32)
     cfg = json.loads((d / "config.json").read_text())
     del cfg["num_key_value_heads"]
     (d / "config.json").write_text(json.dumps(cfg))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from vllm_dlite.config import DLiteConfig, build_target_layer_ids
-from vllm_dlite.model import CheckpointError, DLiteDrafter, check_checkpoint, load_drafter
+from vllm_dlite.model import CheckpointError, DLiteDrafter, check_checkpoint, load_drafter, save_pretrained
 
 N_TARGET, H, V = 6, 32, 97
 
@@ -280,8 +280,8 @@ def _write_header_only(path: Path, shapes: dict[str, tuple]) -> None:
 def saved(tmp_path):
     cfg = small_config(2)
     model, embed, norm_w = random_drafter(cfg, seed=3)
-    d = model.save_pretrained(tmp_path / "ckpt", {"model_type": "qwen3", "num_hidden_layers": N_TARGET},
-                              dtype=torch.float32)
+    d = save_pretrained(model, tmp_path / "ckpt", {"model_type": "qwen3", "num_hidden_layers": N_TARGET},
+                        dtype=torch.float32)
     return d, model, embed, norm_w
 
 
@@ -295,7 +295,7 @@ def test_save_load_round_trip_in_authors_layout(saved):
     loaded.bind_target(embed, norm_w, 1e-6)
     feats, group = torch.randn(2, 4, H), torch.randint(4, V, (2, 2))
     assert torch.equal(loaded.draft(feats, group).logits, model.draft(feats, group).logits)
-    bf16 = model.save_pretrained(d.parent / "bf16", {"model_type": "qwen3"})  # released dtype
+    bf16 = save_pretrained(model, d.parent / "bf16", {"model_type": "qwen3"})  # released dtype
     assert load_drafter(bf16).dtype == torch.bfloat16
 
 

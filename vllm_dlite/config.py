@@ -386,7 +386,7 @@ class DLiteConfig:
         missing += [k for k in ("num_target_layers", "block_size") if k not in cfg]
         if missing:
             raise ValueError(f"config.json lacks the dlite_v1 keys {missing}; re-export the "
-                             "checkpoint with DLiteDrafter.save_pretrained")
+                             "checkpoint with vllm_dlite.model.save_pretrained")
         mask = block.get("mask_token_id", cfg.get("mask_token_id"))
         if mask is None:
             raise ValueError("config.json has no mask_token_id (in dlite_config or at top level): "

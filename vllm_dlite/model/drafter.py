@@ -29,7 +29,8 @@ Contract:
 * Everything runs in the module's dtype (bf16 for the authors' checkpoints, fp32 on CPU); logits
   are returned as fp32. Features may arrive in any float dtype.
 * Parameter names are the authors' tensor names (so ``state_dict`` is the checkpoint);
-  :mod:`vllm_dlite.model.checkpoint` saves and loads them.
+  :mod:`vllm_dlite.model.checkpoint` saves and loads them (it imports this module, never the
+  reverse).
 """
 
 from __future__ import annotations
@@ -333,12 +334,6 @@ class DLiteDrafter(nn.Module):
         )
 
     forward = forward_train
-
-    def save_pretrained(self, directory, target_hf_config=None, dtype=torch.bfloat16):
-        """Write the checkpoint in the authors' layout (:func:`vllm_dlite.model.checkpoint.save_pretrained`)."""
-        from vllm_dlite.model.checkpoint import save_pretrained
-
-        return save_pretrained(self, directory, target_hf_config, dtype)
 
 
 __all__ = [

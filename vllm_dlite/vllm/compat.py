@@ -514,14 +514,10 @@ def _resolve_need(need: Need):
 
 
 def _vllm_original(obj: Any) -> Any:
-    """The vLLM function behind a plugin wrapper (``functools.wraps``' ``__wrapped__``, or the
-    original the plugin saved for a replacement)."""
-    from vllm_dlite.vllm import plugin  # lazy: plugin imports this module
-
+    """The vLLM function behind a plugin wrapper or replacement: its ``__wrapped__``, which
+    ``functools.wraps`` sets and the plugin sets on its replacements."""
     if getattr(obj, "__func__", None) is not None:
         obj = obj.__func__
-    if obj is plugin.dlite_hf_config_override and plugin._vllm_hf_config_override is not None:
-        return plugin._vllm_hf_config_override
     return inspect.unwrap(obj)
 
 

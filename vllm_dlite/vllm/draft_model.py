@@ -33,10 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dlite.config import GREEDY_EPS
-from vllm_dlite.model import DLiteDrafter, load_drafter, resolve_checkpoint_dir
+from vllm_dlite.config import GREEDY_EPS, DLiteConfig
+from vllm_dlite.model import DLiteDrafter, load_drafter, read_checkpoint_config, resolve_checkpoint_dir
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
+
+
+def checkpoint_config(draft_model_config) -> DLiteConfig:
+    """The :class:`~vllm_dlite.config.DLiteConfig` of vLLM's draft ``ModelConfig`` (read from its
+    checkpoint's config.json): what the V1 proposer and the V2 speculator size themselves by."""
+    directory = resolve_checkpoint_dir(draft_model_config.model, getattr(draft_model_config, "revision", None))
+    return read_checkpoint_config(directory)[1]
 
 
 class DFlashDLiteDraftModel(nn.Module):
@@ -180,7 +187,6 @@ def _warn_on_defaults(directory, target_model_config) -> Optional[str]:
     (transformers 4.57 ``Qwen3Config``) while the target's config says otherwise (e.g. rope_theta
     10,000 beside the target's 1e6). Returns the message (None when nothing disagrees)."""
     from vllm_dlite.config import target_default_warning
-    from vllm_dlite.model import read_checkpoint_config
 
     target = getattr(target_model_config, "hf_text_config", None) or getattr(target_model_config, "hf_config", None)
     if target is None:
@@ -227,4 +233,4 @@ def _weight(module: Optional[nn.Module], name: str) -> torch.Tensor:
     return weight
 
 
-__all__ = ["DFlashDLiteDraftModel"]
+__all__ = ["DFlashDLiteDraftModel", "checkpoint_config"]

@@ -263,14 +263,6 @@ def validate_dlite_checkpoint(
     return directory, cfg
 
 
-def checkpoint_config(draft_model_config: Any):
-    """The :class:`DLiteConfig` of vLLM's draft ``ModelConfig`` (read from its checkpoint)."""
-    from vllm_dlite.model import read_checkpoint_config, resolve_checkpoint_dir
-
-    directory = resolve_checkpoint_dir(draft_model_config.model, getattr(draft_model_config, "revision", None))
-    return read_checkpoint_config(directory)[1]
-
-
 def dlite_hf_config_override(hf_config: Any, *args: Any, **kwargs: Any) -> Any:
     """vLLM's ``SpeculativeConfig.hf_config_override`` plus, for a dlite_v1 draft config, what
     vLLM needs to serve it on its parallel-drafting path: ``architectures`` = the DLite draft
@@ -309,6 +301,7 @@ def _patch_speculative_config() -> None:
     current = SpeculativeConfig.__dict__["hf_config_override"].__func__
     if current is not dlite_hf_config_override:
         _vllm_hf_config_override = current
+        dlite_hf_config_override.__wrapped__ = current  # vLLM's own (inspect.unwrap: compat's checks)
         SpeculativeConfig.hf_config_override = staticmethod(dlite_hf_config_override)
 
 
@@ -331,7 +324,7 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     if model is None:
         raise ValueError(
             'speculative_config with "method": "dlite" needs "model": the DLite checkpoint '
-            "directory (written by DLiteDrafter.save_pretrained)"
+            "directory (written by vllm_dlite.model.save_pretrained)"
         )
     directory, cfg = validate_dlite_checkpoint(
         model,

@@ -41,6 +41,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dlite.config import GREEDY_EPS
+from vllm_dlite.vllm.draft_model import checkpoint_config
 
 
 logger = init_logger("vllm.dlite.proposer_v1")  # under "vllm": vLLM's handlers
@@ -52,8 +53,6 @@ class DLiteProposer(DFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner  # the base class does not keep it (token history, request states)
-        from vllm_dlite.vllm.plugin import checkpoint_config
-
         self.dlite_config = checkpoint_config(self.draft_model_config)
         self.kv_cache_gid = 0  # no draft KV; see module docstring
         self._draft_attn_layer_names = set()

@@ -100,7 +100,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
                 "Model Runner V1 when V2 is not used"
             )
         super().__init__(vllm_config, device)
-        from vllm_dlite.vllm.plugin import checkpoint_config
+        from vllm_dlite.vllm.draft_model import checkpoint_config
 
         self.dlite_config = cfg = checkpoint_config(self.draft_model_config)  # k <= K: checked at config time
         # G > 2 reads x_{a-G+1..a-1} from the runner's RequestState (its token history)
