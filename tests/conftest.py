@@ -1,5 +1,6 @@
 """Shared fixtures: the shipped tiny target + DLite drafter replayed through vLLM once per session.
 
+``tok``: the shipped tiny target's tokenizer (once per session).
 ``shipped_requests``: 8 held-out agentic + 8 held-out code turns (prompts <= 3,072 tokens).
 ``runner``: the vLLM model runner under test, ``v1`` and ``v2`` (module-scoped parameter).
 ``shipped_replays``: those prompts through a fresh vLLM engine on that runner (fresh process; fp32,
@@ -65,6 +66,14 @@ def runner(request):
     """The vLLM model runner under test: ``v1`` in the test process, ``v2`` in fresh processes set up
     by :mod:`lab.harness.runners` (Model Runner V2 through Triton's interpreter on this CPU)."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The shipped tiny target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TARGET_DIR))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
 from paths import TARGET_DIR, WORKLOADS
 from lab.target.evaluate import BUCKETS, bucket_of, first_tool_name, well_formed_tool_calls
@@ -11,11 +10,6 @@ from lab.target.long import CURRICULUM, length_cap, supervised_window
 from lab.target.sft import assistant_spans, turn_markers
 from lab.target.train import render_sessions
 from vllm_dlite.train.workloads.schema import read_sessions
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(TARGET_DIR)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from paths import TARGET_DIR, WORKLOADS
 from vllm_utils import vllm_server_process
@@ -39,11 +39,6 @@ def server_start(request):
         finally:
             started.exception()  # a start still under way ends before the server is stopped
             server.stop()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(TARGET_DIR)
 
 
 @pytest.fixture(scope="module")

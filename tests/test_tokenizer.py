@@ -3,15 +3,9 @@
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from paths import TARGET_DIR
 from vllm_dlite.train.workloads.generator import AGENT_TOOLS, read_text, stdlib_files
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(TARGET_DIR)
 
 
 def test_vocab_and_special_tokens(tok):

@@ -4,17 +4,11 @@ import copy
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from paths import TARGET_DIR, WORKLOADS
 from vllm_dlite.train.workloads import generator
 from vllm_dlite.train.workloads.replay import load_replay, render_prompt
 from vllm_dlite.train.workloads.schema import WorkloadError, read_sessions, validate_session
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(TARGET_DIR)
 
 
 @pytest.fixture(scope="module")
