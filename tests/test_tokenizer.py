@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from paths import TARGET_DIR
 from vllm_dlite.train.workloads.generator import AGENT_TOOLS, read_text, stdlib_files
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from paths import TARGET_DIR, WORKLOADS
+from paths import WORKLOADS
 from vllm_dlite.train.workloads import generator
 from vllm_dlite.train.workloads.replay import load_replay, render_prompt
 from vllm_dlite.train.workloads.schema import WorkloadError, read_sessions, validate_session
