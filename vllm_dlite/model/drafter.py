@@ -307,7 +307,7 @@ class DLiteDrafter(nn.Module):
     def draft(self, features: torch.Tensor, group_ids: torch.Tensor, temperature: float = 0.0,
               generator: Optional[torch.Generator] = None, k: Optional[int] = None) -> DraftOutput:
         """One round: backbone once, then ``k <= K`` head steps, one per drafted token (default K), greedy
-        (temperature < 1e-5) or sampled. ``group_ids [b, g]``, anchor last."""
+        or sampled (:func:`vllm_dlite.ops.sampling.is_greedy`). ``group_ids [b, g]``, anchor last."""
         d = self.backbone(features, group_ids)
         ids, logits = ops.sequential_head(
             d, group_ids[:, -1], self._prime_ids(group_ids), *self.sequential_head.tensors(),

@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from vllm_dlite.config import GREEDY_EPS
 from vllm_dlite.ops import cuda_ops, reference
+from vllm_dlite.ops.sampling import is_greedy
 
 _ATTN_HEAD_DIMS = (32, 64, 128, 256)
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -160,7 +160,7 @@ def _head_reason(d, anchor_ids, prime_ids, P, W_s, b_s, W_f, b_f, W_o, temperatu
         or temperature < 0
     ):
         return "shape check"  # the reference raises the documented ValueError
-    if temperature >= GREEDY_EPS:
+    if not is_greedy(temperature):
         return "sampling (temperature > 0): the kernel is greedy only"
     tensors = [d, anchor_ids] + ([prime_ids] if prime_ids is not None else []) + [
         P, W_s, b_s, W_f, b_f, W_o]
@@ -212,7 +212,7 @@ def sequential_head(
     k: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatched :func:`vllm_dlite.ops.reference.sequential_head` (same contract). The kernel
-    is greedy only: sampling (temperature >= GREEDY_EPS) uses the reference."""
+    is greedy only: sampling (not :func:`vllm_dlite.ops.sampling.is_greedy`) uses the reference."""
     k = (d.shape[1] if d.dim() == 3 else 0) if k is None else int(k)
     why = _head_reason(d, anchor_ids, prime_ids, prev_token_embedding, state_proj_weight,
                        state_proj_bias, hidden_mlp_weight, hidden_mlp_bias, output_proj_weight,

@@ -23,6 +23,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from vllm_dlite.ops.sampling import next_tokens
+
 
 # ---------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(
@@ -239,7 +241,7 @@ def sequential_head(
         s_0 = 0, or Phi(0, x_{a-1}) when prime_ids is given (G > 1)
         for j = 1..k:  s_j = Phi(s_{j-1}, t_{j-1})   (t_0 = x_a, t_j = token drafted at j)
                        logits_j = W_o (W_f [s_j ; d_j] + b_f)
-                       t_j = argmax(logits_j)              if temperature < GREEDY_EPS
+                       t_j = argmax(logits_j)              if temperature < GREEDY_EPS (greedy)
                            ~ softmax(fp32 logits_j / T)    otherwise (torch.multinomial)
 
     Args:
@@ -256,8 +258,6 @@ def sequential_head(
         distribution of a sampled row is ``softmax(logits / T)``). The recurrence runs in the
         dtype of the head's weights.
     """
-    from vllm_dlite.config import GREEDY_EPS
-
     b, K, _ = d.shape
     k = K if k is None else int(k)
     if not 0 <= k <= K:
@@ -276,11 +276,7 @@ def sequential_head(
         state = head_state_update(state, prev, prev_token_embedding, state_proj_weight, state_proj_bias)
         step = head_readout(state, d[:, j].to(state.dtype), hidden_mlp_weight, hidden_mlp_bias,
                             output_proj_weight).float()  # [b, V]
-        if temperature < GREEDY_EPS:
-            prev = step.argmax(dim=-1)
-        else:
-            probs = torch.softmax(step / temperature, dim=-1)
-            prev = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        prev = next_tokens(step, temperature, generator)  # greedy: argmax; else ~ softmax(step / T)
         draft_ids.append(prev)
         logits.append(step)
     if not draft_ids:

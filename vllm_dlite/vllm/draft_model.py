@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dlite.config import GREEDY_EPS, DLiteConfig
+from vllm_dlite.config import DLiteConfig
 from vllm_dlite.model import DLiteDrafter, load_drafter, read_checkpoint_config, resolve_checkpoint_dir
+from vllm_dlite.ops.sampling import greedy_rows_as
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
@@ -108,8 +109,8 @@ class DFlashDLiteDraftModel(nn.Module):
             group_ids: ``[b, G']`` the last real tokens of each request, anchor last
                 (``G' <= G``; left-padded when ``group_lens`` is given).
             group_lens: ``[b]`` (CPU) real tokens per row, ``<= G'``, or None (all ``G'``).
-            temperatures: ``[b]`` per-request temperatures or None (greedy everywhere); entries
-                below ``GREEDY_EPS`` are greedy.
+            temperatures: ``[b]`` per-request temperatures or None (greedy everywhere); greedy
+                entries (:func:`vllm_dlite.ops.sampling.is_greedy`) draft greedily.
             k: tokens drafted this round, ``k <= K`` (default K); no head step beyond k is run.
             return_logits: also return the raw draft logits ``[b, k, V]`` fp32.
 
@@ -133,10 +134,7 @@ class DFlashDLiteDraftModel(nn.Module):
             return ids, (features.new_zeros(b, k, cfg.vocab_size, dtype=torch.float32) if return_logits else None)
 
         # rows of one drafter call share g and temperature
-        temps = None
-        if temperatures is not None:
-            t = temperatures[:b].float()
-            temps = torch.where(t < GREEDY_EPS, torch.zeros_like(t), t).cpu()
+        temps = None if temperatures is None else greedy_rows_as(temperatures[:b], 0.0).cpu()  # greedy: 0
         if group_lens is None and (temps is None or bool((temps == temps[0]).all())):
             out = self.drafter.draft(features, group_ids, temperature=0.0 if temps is None else float(temps[0]),
                                      k=k)

@@ -40,7 +40,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_dlite.config import GREEDY_EPS
+from vllm_dlite.ops.sampling import draft_probs, draft_temperatures
 from vllm_dlite.vllm.draft_model import checkpoint_config
 
 
@@ -113,11 +113,9 @@ class DLiteProposer(DFlashProposer):
 
     def _temperatures(self, sampling_metadata: Any) -> Optional[torch.Tensor]:
         """Per-request temperatures when drafts must be sampled, else None (greedy drafts)."""
-        if not self._enable_probabilistic_draft_probs or sampling_metadata is None:
-            return None
-        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-            return None
-        return sampling_metadata.temperature
+        return draft_temperatures(self._enable_probabilistic_draft_probs and sampling_metadata is not None,
+                                  getattr(sampling_metadata, "temperature", None),
+                                  bool(getattr(sampling_metadata, "all_greedy", False)))
 
     def group_tokens(
         self,
@@ -189,7 +187,6 @@ class DLiteProposer(DFlashProposer):
         """The round's drafts for the batch: ``rows [B]`` (the feature row of each request),
         ``anchors [B]``, ``temperatures [B]`` or None (greedy drafts). Sets ``_last_draft_probs``
         when drafts are sampled. Here: ``k`` tokens for every request, as a ``[B, k]`` tensor."""
-        batch_size = rows.shape[0]
         features = target_hidden_states[rows]  # [B, L*H]
         group_ids, group_lens = self.group_tokens(
             anchors, rows, target_token_ids, target_positions, common_attn_metadata
@@ -203,11 +200,7 @@ class DLiteProposer(DFlashProposer):
             return_logits=temperatures is not None,
         )
         if logits is not None:
-            # draft distribution of each row: softmax(logits / T); greedy rows use T = 1
-            # (vLLM ignores their probabilities, as in compute_probs_and_sample_next_token)
-            t = temperatures[:batch_size].float().to(logits.device)
-            t = torch.where(t < GREEDY_EPS, torch.ones_like(t), t)
-            self._last_draft_probs = torch.softmax(logits / t.view(-1, 1, 1), dim=-1).contiguous()
+            self._last_draft_probs = draft_probs(logits, temperatures).contiguous()
         return draft_ids
 
 

@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 import torch
 
+from vllm_dlite.ops.sampling import draft_temperatures
 from vllm_dlite.vllm import compat
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
@@ -288,10 +289,11 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         # this step's draft length (V2 may schedule fewer than num_speculative_steps)
         k = self.num_speculative_steps if num_speculative_tokens is None else int(num_speculative_tokens)
         k = max(0, min(k, self.num_speculative_steps))
-        if self.draft_logits is not None and not dummy_run:
+        temperatures = draft_temperatures(self.draft_logits is not None and not dummy_run, temperature, rows=idx)
+        if temperatures is not None:
             # probabilistic drafting (eager): sampled rows draw from softmax(logits / T)
             ids, logits = self.model.propose_drafts(
-                features, group_ids, group_lens, temperatures=temperature[idx].float(), k=k,
+                features, group_ids, group_lens, temperatures=temperatures, k=k,
                 return_logits=True,
             )
             compat.write_draft_logits(self.draft_logits, idx, logits)

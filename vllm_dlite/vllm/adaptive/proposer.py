@@ -28,7 +28,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from vllm_dlite.config import GREEDY_EPS
+from vllm_dlite.ops.sampling import draft_probs
 from vllm_dlite.vllm.adaptive.controller import AdaptiveController
 from vllm_dlite.vllm.adaptive.options import check_runner, options_from_vllm_config
 from vllm_dlite.vllm.adaptive.suffix import SuffixSource
@@ -133,10 +133,7 @@ class AdaptiveDLiteProposer(DLiteProposer):
                 features[sel], group_ids[sel], None if group_lens is None else group_lens[sel_c],
                 temperatures=temps, k=k, return_logits=True,
             )
-            # the head's probability of each drafted token: softmax(logits / T) (greedy rows: T = 1)
-            t = torch.ones(len(plan.dlite_rows), device=logits.device) if temps is None else temps.float().to(logits.device)
-            t = torch.where(t < GREEDY_EPS, torch.ones_like(t), t)
-            probs = torch.softmax(logits / t.view(-1, 1, 1), dim=-1)
+            probs = draft_probs(logits, temps)  # the head's probability of each drafted token
             conf = probs.gather(-1, ids[..., None].to(probs.device)).squeeze(-1).cpu().tolist()
             for pos, row in enumerate(plan.dlite_rows):
                 confidence[row] = conf[pos]
