@@ -19,8 +19,9 @@ thin wrapper around :class:`vllm_dlite.model.DLiteDrafter`:
   k head steps for a batch, greedy or sampled per request, rows grouped by their number of real
   tokens g (only differs at sequence start, when a+1 < G).
 
-``forward``/``compute_logits``/``embed_input_ids`` exist because vLLM's model interface requires
-them; drafting goes through :meth:`propose_drafts`.
+``forward`` (its signature: vLLM's model-interface check reads it) and ``compute_logits`` exist
+because vLLM's model interface requires them, and raise: drafting goes through
+:meth:`propose_drafts`.
 """
 
 from __future__ import annotations
@@ -49,9 +50,6 @@ def checkpoint_config(draft_model_config) -> DLiteConfig:
 
 class DFlashDLiteDraftModel(nn.Module):
     """DLite drafter as a vLLM model (registered as architecture ``DFlashDLiteDraftModel``)."""
-
-    has_own_embed_tokens = False
-    has_own_lm_head = False
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
@@ -157,16 +155,11 @@ class DFlashDLiteDraftModel(nn.Module):
         return F.embedding(input_ids.long(), self.drafter.embed_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 **kwargs) -> torch.Tensor:
-        """Backbone: ``input_ids`` = anchors ``[b]``, ``hidden_states`` = features ``[b, L*H]``
-        -> mask-slot outputs ``[b*K, H]`` (``positions`` is ignored: DLite uses local positions)."""
-        if hidden_states is None:
-            raise ValueError("DFlashDLiteDraftModel.forward needs the target features (hidden_states)")
-        b = input_ids.shape[0]
-        cfg = self.dlite_config
-        features = hidden_states.reshape(b, cfg.num_feature_layers, cfg.hidden_size)
-        return self.drafter.backbone(features, input_ids.long()[:, None]).flatten(0, 1)
+        raise NotImplementedError(
+            "DLite drafts a whole round at once (propose_drafts: backbone + sequential head), not "
+            "through a per-token forward"
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
@@ -197,7 +190,7 @@ def _warn_on_defaults(directory, target_model_config) -> Optional[str]:
 
 
 def _full_weight(module: Optional[nn.Module], name: str) -> torch.Tensor:
-    """The target's ``[V_padded, H]`` embedding / lm_head weight over the WHOLE vocabulary, rows in
+    """The target's ``[V_padded, H]`` token embedding over the WHOLE vocabulary, rows in
     token-id order. Unsharded: the weight itself (no copy). Vocabulary-parallel (TP > 1): every
     rank all-gathers the shards once (a collective: all ranks load the drafter together)."""
     weight = _weight(module, name)
@@ -225,8 +218,9 @@ def _weight(module: Optional[nn.Module], name: str) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor):
         raise ValueError(
             f"cannot share the target's {name} with the DLite drafter (no plain weight tensor "
-            f"found on {type(module).__name__ if module is not None else None}); quantized or "
-            "unusual targets need a DLite checkpoint that carries its own embed_tokens/lm_head"
+            f"found on {type(module).__name__ if module is not None else None}): DLite shares the "
+            "target's token embedding and final-norm weight as plain tensors; serve it with a target "
+            "whose embedding and final norm are not quantized"
         )
     return weight
 

@@ -6,7 +6,7 @@ that every ``isinstance(drafter, DFlashProposer)`` branch of ``GPUModelRunner`` 
 replaces what touches the draft model:
 
 * ``load_model``: builds ``DFlashDLiteDraftModel`` through vLLM's loader, checks it created no
-  attention layer (no draft KV cache), shares the target's embedding and lm_head.
+  attention layer (no draft KV cache), shares the target's token embedding and final norm.
 * ``initialize_attn_backend``: there are no draft attention layers, but the runner only hands
   ``spec_decode_common_attn_metadata`` to a drafter whose ``kv_cache_gid`` matches a KV-cache
   group; with the base class's ``-1`` it would silently never draft. We set ``kv_cache_gid = 0``.
