@@ -96,7 +96,7 @@ def train_config(target_dir: Path, sequences: Path, root: Path, **run) -> dict:
         "target": {"path": str(target_dir)},
         "data": {"sequences": str(sequences), "max_len": 64, "anchors_per_seq": 6,
                  "max_tokens_per_batch": 96, "max_seqs_per_batch": 3},
-        "model": {"block_size": B, "num_layers": 1, "head_rank": 4, "mask_token_id": MASK,
+        "model": {"block_size": B, "num_hidden_layers": 1, "sequential_rank": 4, "mask_token_id": MASK,
                   "num_feature_layers": 2, "teacher_window": 5},
         "epochs": {"teacher": 1, "kl": 1, "stable": 1},
         "optim": {"lr": 3e-3},
@@ -436,14 +436,28 @@ def test_cli_config_overrides_and_ablation(tmp_path):
     cfg_path.write_text("target: {path: /x}\nrun: {out: /y}\nepochs: {teacher: 8, warmup: 3}\n")
     args = build_parser().parse_args([
         "--config", str(cfg_path), "--set", "optim.lr=1e-4", "--ablation", "stable_only",
-        "--ablation", "anchor_group_size=2", "--ablation", "head_rank=64"])
+        "--ablation", "anchor_group_size=2", "--ablation", "sequential_rank=64"])
     cfg = resolve_config(args).validate()
     assert cfg.optim.lr == 1e-4 and cfg.ablation.stable_only
-    assert cfg.model.anchor_group_size == 2 and cfg.model.head_rank == 64
+    assert cfg.model.anchor_group_size == 2 and cfg.model.sequential_rank == 64
     assert cfg.epochs == {"teacher": 8, "kl": 3, "stable": 6}  # "warmup" read as "kl"
     assert cfg.stages() == ["stable"]
     with pytest.raises(ValueError, match="unknown keys"):
         resolve_config(build_parser().parse_args(["--set", "optim.lrr=1"]))
+
+
+def test_model_keys_are_the_dlite_config_fields_and_old_names_are_refused():
+    """``model.num_hidden_layers`` / ``model.sequential_rank`` are DLiteConfig's names (the shipped
+    config uses them); the earlier names (still in models/*/training_report.json) fail naming the new."""
+    from paths import REPO
+    from vllm_dlite.train.cli import build_parser, resolve_config
+    from vllm_dlite.train.config import TrainConfig
+
+    cfg = resolve_config(build_parser().parse_args(["--config", str(REPO / "configs" / "dlite-tiny.yaml")]))
+    assert cfg.model.num_hidden_layers == 2 and cfg.model.sequential_rank == 32
+    with pytest.raises(ValueError, match=r"model\.head_rank is now model\.sequential_rank") as err:
+        TrainConfig.from_dict({"model": {"head_rank": 4, "num_layers": 1}})
+    assert "model.num_layers is now model.num_hidden_layers" in str(err.value) and "\n" not in str(err.value)
 
 
 # =========================================================================== offline estimator

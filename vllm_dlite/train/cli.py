@@ -18,7 +18,7 @@ Config files are YAML or JSON with the sections of :class:`vllm_dlite.train.conf
 (``target``, ``data``, ``model``, ``epochs``, ``optim``, ``loss``, ``run``, ``ablation``,
 ``eval``); ``--set a.b=VALUE`` overrides any key (VALUE parsed as YAML). Ablations:
 ``--ablation stable_only`` (skip teacher + stage 1), ``--ablation anchor_group_size=2``,
-``--ablation head_rank=64`` (any ``model.*`` key works as ``key=value``).
+``--ablation sequential_rank=64`` (any ``model.*`` key works as ``key=value``).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def apply_ablation(config: dict[str, Any], spec: str) -> None:
         set_dotted(config, f"model.{name}", _parse_value(value))
     else:
         raise ValueError(
-            f"--ablation {spec!r}: use stable_only, anchor_group_size=2, head_rank=N, or any "
+            f"--ablation {spec!r}: use stable_only, anchor_group_size=2, sequential_rank=N, or any "
             "model.* key as key=value"
         )
 
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set data.anchors_per_seq=64")
     ap.add_argument("--ablation", action="append", default=[], metavar="NAME[=VALUE]",
-                    help="stable_only | anchor_group_size=2 | head_rank=N | <model key>=VALUE")
+                    help="stable_only | anchor_group_size=2 | sequential_rank=N | <model key>=VALUE")
     ap.add_argument("--print-config", action="store_true",
                     help="print the resolved config as JSON and exit")
     ap.add_argument("--only-data", action="store_true",

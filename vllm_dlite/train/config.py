@@ -20,6 +20,9 @@ from vllm_dlite.train.data import RegenerationConfig
 
 STAGES = ("teacher", "kl", "stable")
 PAPER_EPOCHS = {"teacher": 8, "kl": 2, "stable": 6}
+# model.* keys renamed to the DLiteConfig fields they set (the training_report.json of
+# models/dlite-qwen3-tiny-stdlib still shows the old names): refused with the new name
+RENAMED_MODEL_KEYS = {"num_layers": "num_hidden_layers", "head_rank": "sequential_rank"}
 
 
 @dataclass
@@ -48,8 +51,10 @@ class ModelSection:
     num_feature_layers: Optional[int] = None  # L; None: min(N, 14/36 N) (paper: 14 of 36)
     block_size: int = 8  # B, counting the anchor: K = B-1 drafted tokens
     anchor_group_size: int = 1  # G: 1 (anchor only) or 2 (x_{a-1}, x_a; primes the head)
-    num_layers: Optional[int] = None  # draft depth n; None: round(0.14 N)
-    head_rank: Optional[int] = None  # r; None: hidden_size // 8
+    # block_size, anchor_group_size, num_hidden_layers, sequential_rank and mask_token_id are the
+    # DLiteConfig fields of the same names (None: the DLiteConfig.for_target default)
+    num_hidden_layers: Optional[int] = None  # draft depth n; None: round(0.14 N)
+    sequential_rank: Optional[int] = None  # head rank r; None: hidden_size // 8
     mask_token_id: Optional[int] = None  # None: tokenizer's mask token / <|mask|> / padded id
     teacher_window: int = DEFAULT_WINDOW  # W: the teacher sees W-1 fused history slots
     teacher_history_layer_ids: Optional[list[int]] = None  # None: [0, N//2, N-1] (0-based)
@@ -143,8 +148,14 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
         """Strict: unknown keys raise ``ValueError`` naming the section and the known keys.
         ``epochs`` is merged over the paper's defaults (stages not named keep 8 / 2 / 6); the
-        earlier stage name ``warmup`` is read as ``kl``."""
+        earlier stage name ``warmup`` is read as ``kl``; the renamed ``model.*`` keys
+        (:data:`RENAMED_MODEL_KEYS`) are refused with their new names."""
         data = dict(data or {})
+        model = data.get("model")
+        renamed = sorted(set(model) & set(RENAMED_MODEL_KEYS)) if isinstance(model, dict) else []
+        if renamed:
+            raise ValueError("config: " + "; ".join(f"model.{k} is now model.{RENAMED_MODEL_KEYS[k]}" for k in renamed)
+                             + " (the DLiteConfig fields they set)")
         if isinstance(data.get("epochs"), dict):
             epochs = dict(data["epochs"])
             if "warmup" in epochs:
@@ -243,6 +254,7 @@ def _build_dataclass(cls: type, data: Any, where: str) -> Any:
 
 __all__ = [
     "PAPER_EPOCHS",
+    "RENAMED_MODEL_KEYS",
     "STAGES",
     "TrainConfig",
 ]

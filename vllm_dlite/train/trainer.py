@@ -206,12 +206,9 @@ class Trainer:
         else:
             mask_id = (m.mask_token_id if m.mask_token_id is not None
                        else resolve_mask_token_id(cfg.target.path, t))
-            overrides: dict[str, Any] = dict(block_size=m.block_size,
-                                             anchor_group_size=m.anchor_group_size)
-            if m.num_layers is not None:
-                overrides["num_hidden_layers"] = m.num_layers
-            if m.head_rank is not None:
-                overrides["sequential_rank"] = m.head_rank
+            overrides: dict[str, Any] = {  # DLiteConfig fields of the same names
+                name: getattr(m, name) for name in ("block_size", "anchor_group_size", "num_hidden_layers",
+                                                    "sequential_rank") if getattr(m, name) is not None}
             overrides.update(m.dlite_overrides)
             dlite_cfg = DLiteConfig.for_target(
                 t, num_feature_layers=m.num_feature_layers or default_num_feature_layers(n_layers),
