@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter", default=str(REPO / "models/dlite-qwen3-tiny-stdlib"))
     ap.add_argument("--workload", nargs="+", default=[str(REPO / "benchmarks/workloads/heldout_agentic.jsonl"),
                                                       str(REPO / "benchmarks/workloads/heldout_code.jsonl")])
-    ap.add_argument("-k", type=int, default=7)
+    ap.add_argument("-k", "--k", type=int, default=None, help="draft tokens per round (default: the --drafter's K)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds after the warm-up round")
     ap.add_argument("--abort-fraction", type=float, default=0.25)
@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"corrupted-checkpoint start-ups to try, comma-separated from {','.join(CHECKPOINT_FAULTS)} "
                          "('' for none)")
     args = ap.parse_args(argv)
+    from vllm_dlite.config import resolve_k
+
+    args.k = resolve_k(args.k, args.drafter)  # default: the drafter's own K
     if not 0 <= args.abort_fraction < 1:
         ap.error("--abort-fraction must be in [0, 1)")
     if args.requests < 1 or args.rounds < 1:

@@ -550,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
     for m in ("dlite", "eagle3", "dflash"):
         ap.add_argument(f"--{m}", default=str(default_drafter(m)), help=f"{m} drafter checkpoint")
-    ap.add_argument("-k", "--k", type=int, default=7, help="speculative tokens per round")
+    ap.add_argument("-k", "--k", type=int, default=None,
+                    help="speculative tokens per round (default: the --dlite checkpoint's K)")
     ap.add_argument("--concurrency", default="1,4,8", help="sessions replayed at once, comma-separated levels")
     ap.add_argument("--max-sessions", type=int, default=0, help="first N sessions (0: all)")
     ap.add_argument("--max-turns", type=int, default=0, help="first N assistant turns per session (0: all)")
@@ -569,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=3600, help="per request")
     ap.add_argument("--server-timeout-s", type=float, default=900, help="server start-up")
     args = ap.parse_args(argv)
+    from vllm_dlite.config import resolve_k
+
+    args.k = resolve_k(args.k, args.dlite)  # default: the drafter's own K
     from vllm_dlite.vllm.engine import METHODS
 
     try:

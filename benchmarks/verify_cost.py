@@ -200,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="sessions whose rendered tokens fill the context")
     ap.add_argument("--contexts", default="1024,4096,8192,16384,28672",
                     help="cached context lengths, comma-separated (multiples of the KV block size)")
-    ap.add_argument("-k", type=int, default=7, help="draft tokens per round (verify steps of 1..k+1 tokens)")
+    ap.add_argument("-k", "--k", type=int, default=None,
+                    help="draft tokens per round (verify steps of 1..k+1 tokens; default: the --dlite checkpoint's K)")
     ap.add_argument("--repeats", type=int, default=9, help="recorded sweeps (after one warm-up sweep)")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args(argv)
+    from vllm_dlite.config import resolve_k
+
+    args.k = resolve_k(args.k, args.dlite)  # default: the drafter's own K
     contexts = sorted({int(c) for c in args.contexts.split(",") if c.strip()})
     if not contexts or contexts[0] < 1 or args.k < 1 or args.repeats < 1:
         ap.error("--contexts needs positive lengths; -k and --repeats must be >= 1")

@@ -35,7 +35,8 @@ def main() -> None:
     ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
     ap.add_argument("--drafter", default=str(REPO / "models/dlite-qwen3-tiny-stdlib"))
     ap.add_argument("--workload", default=str(REPO / "benchmarks/workloads/heldout_agentic.jsonl"))
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
+    ap.add_argument("-k", "--k", "--num-speculative-tokens", dest="k", type=int, default=None,
+                    help="draft tokens per round (default: the --drafter's K)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="shard the target over N workers (on CPU each rank gets its own cores)")
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--json", help="also write the reply and the spec-decode counters here")
     args = ap.parse_args()
+    from vllm_dlite.config import resolve_k
+
+    args.k = resolve_k(args.k, args.drafter)  # default: the drafter's own K
 
     from openai import OpenAI
 
@@ -55,7 +59,7 @@ def main() -> None:
     turn = next(i for i, m in enumerate(session["messages"]) if m["role"] == "assistant")
     messages, tools = session["messages"][:turn], session["tools"]
 
-    spec = {"method": "dlite", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
+    spec = {"method": "dlite", "model": args.drafter, "num_speculative_tokens": args.k}
     flags = ["--dtype", "float32", "--max-model-len", "16384", "--enable-auto-tool-choice",
              "--tool-call-parser", "hermes", "--speculative-config", json.dumps(spec)]
     if args.enforce_eager:

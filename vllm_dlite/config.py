@@ -28,7 +28,8 @@ Contract
   norm** (the drafter applies that norm to vLLM's pre-norm aux id N). :attr:`aux_layer_ids` gives
   the ids vLLM must serve.
 * ``K`` (:attr:`DLiteConfig.num_draft_tokens` = B-1) is the number of tokens one round drafts; it
-  is the one name for that number in this package (vLLM calls it ``num_speculative_tokens``).
+  is the one name for that number in this package (vLLM calls it ``num_speculative_tokens``). Its
+  one default is the checkpoint's own K: :func:`resolve_k` (the CLIs' ``--k`` defaults to None).
 * Every check raises ``ValueError`` with ONE message naming the field and the fix. Checkpoints in
   the earlier vllm-dlite format (before ``dlite_v1``) are refused with a message saying so.
 
@@ -39,8 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 ARCHITECTURE_VERSION = "dlite_v1"
 MODEL_ROLE = "pivot_q_student"
@@ -165,6 +168,22 @@ def target_default_warning(cfg: dict[str, Any], target: Any, where: str = "the D
     return (f"{where} runs with {said}: this is what the authors' code does with this config.json; "
             f"if the drafter was trained with the target's value{'s' if len(differ) > 1 else ''}, "
             f"add {adds} to its config.json")
+
+
+def resolve_k(k: Optional[int], checkpoint: Union[str, os.PathLike]) -> int:
+    """Draft tokens per round: ``k`` when given, else the DLite checkpoint's own K (from the
+    ``config.json`` of the local ``checkpoint`` directory). The one default for K: the CLIs take
+    ``--k`` defaulting to None and resolve it here. ``ValueError`` naming the fix."""
+    if k is not None:
+        return int(k)
+    path = Path(os.path.expanduser(str(checkpoint))) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"k defaults to the DLite checkpoint's own K, read from {path}, which cannot be "
+                         f"read ({type(exc).__name__}: {exc}): pass a local checkpoint directory, or k "
+                         "(--k) explicitly") from None
+    return DLiteConfig.from_checkpoint_config(raw).num_draft_tokens
 
 
 def is_dlite_config(cfg: Any) -> bool:
@@ -565,4 +584,5 @@ __all__ = [
     "target_default_warning",
     "build_target_layer_ids",
     "is_dlite_config",
+    "resolve_k",
 ]

@@ -123,12 +123,15 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=str(REPO / "models/qwen3-tiny-stdlib"))
     ap.add_argument("--dlite", default=str(REPO / "models/dlite-qwen3-tiny-stdlib"))
     ap.add_argument("--method", default="dlite-adaptive", choices=("dlite-adaptive", "dlite-hybrid"))
-    ap.add_argument("-k", type=int, default=7)
+    ap.add_argument("-k", "--k", type=int, default=None, help="draft tokens per round (default: the --dlite checkpoint's K)")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=8192)
     ap.add_argument("--max-requests", type=int, default=24)
     args = ap.parse_args(argv)
+    from vllm_dlite.config import resolve_k
+
+    args.k = resolve_k(args.k, args.dlite)  # default: the drafter's own K
     if not Path(args.workload).is_file():
         ap.error(f"--workload: {args.workload} does not exist")
 
