@@ -79,6 +79,24 @@ CONTEXT_BUCKETS = (1024, 4096, 16384)
 # tau against prompt length: (name, first token count, one past the last), k = 1024
 PROMPT_BUCKETS = (("0-2k", 0, 2048), ("2k-8k", 2048, 8192), ("8k-32k", 8192, 32768))
 MODEL_LEN_MARGIN = 8  # max model len = max prompt tokens + max tokens + K + this
+# --compile (CUDA only): "vllm" = vLLM's default (torch.compile + FULL_AND_PIECEWISE CUDA graphs); "none" =
+# no torch.compile, full CUDA graphs of the uniform decode/verify steps only (an engine starts in seconds)
+COMPILE_MODES = {"vllm": None, "none": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+
+
+def engine_kwargs(compile_mode: str = "vllm", gpu_memory_utilization: float | None = None) -> dict:
+    """Extra ``LLM`` arguments of a GPU run: the CUDA-graph settings of ``compile_mode``
+    (:data:`COMPILE_MODES`) and the share of GPU memory; none on CPU (eager there)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    kw: dict = {}
+    if COMPILE_MODES[compile_mode] is not None:
+        kw["compilation_config"] = dict(COMPILE_MODES[compile_mode])
+    if gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = gpu_memory_utilization
+    return kw
 
 
 def parse_method(name: str) -> tuple[str, int | None]:
@@ -158,7 +176,8 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
     for c in args.concurrency:
         opts = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, max_num_seqs=c,
                     temperature=args.temperature, max_tokens=args.max_tokens,
-                    tensor_parallel_size=args.tensor_parallel_size, runner=args.runner)
+                    tensor_parallel_size=args.tensor_parallel_size, runner=args.runner, k=k or args.k,
+                    engine=engine_kwargs(getattr(args, "compile", "vllm")))
         try:
             res = replay_in_fresh_process(args.target, spec, prompts, opts)
             if res["runner"] != args.runner:
@@ -181,7 +200,7 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
     first = per_concurrency[min(args.concurrency)]["summary"]
     draft_ms = {}
     for b in CONTEXT_BUCKETS:
-        rounds = [d for d in draft_rounds if context_bucket(d[3]) == b]
+        rounds = [d for d in draft_rounds if d[3] and context_bucket(d[3]) == b]  # V2 rounds: context 0
         steady = [d for d in rounds if d[4]]  # rounds after a verification (decode)
         if steady:
             draft_ms[str(b)] = {
@@ -209,6 +228,37 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
         **({"drafting_by_concurrency": drafting} if drafting else {}),
         "_outputs": {c: res["outputs"] for c, res in per_concurrency.items()},
     }
+
+
+def run_levels(target: str, method: str, prompts: list[list[int]], levels: list, opts: dict, *,
+               drafter: str | None = None, fresh: bool = True) -> dict:
+    """``method`` in ONE engine (``max_num_seqs`` = the largest batch) over several levels: ``levels`` =
+    ``[(label, batch, prompt indices)]``, each level's prompts submitted ``batch`` at a time
+    (``lab.harness.replay.replay_once``), for a GPU run that cannot afford an engine per concurrency
+    (``benchmarks/gpu_check.py``, stage c). ``opts`` as :func:`run_method`'s (dtype, max_model_len,
+    seed, temperature, max_tokens, runner, engine); ``fresh=False`` builds the engine in this process
+    (set up for ``opts["runner"]``). Returns ``{status, reason}`` when the method cannot run, else
+    ``{status: "ok", runner, levels: {label: {tau, output_tokens_per_s, mean_itl_ms, ..., draft_round_ms,
+    draft_rounds, outputs}}}``; ``draft_round_ms`` is the median of the steady rounds (after a
+    verification) as timed by the engine's draft timer (CUDA events on V2, ``DraftTimer`` on V1)."""
+    from vllm_dlite.vllm.engine import MethodUnavailable, speculative_config
+    from lab.harness.replay import replay_in_fresh_process, replay_once
+
+    base, k = parse_method(method)
+    try:
+        spec = speculative_config(base, k or opts.get("k", 7), drafter)
+    except MethodUnavailable as exc:
+        return {"status": "unavailable", "reason": str(exc)}
+    opts = dict(opts, levels=[(label, b, list(idx)) for label, b, idx in levels], k=k or opts.get("k", 7),
+                max_num_seqs=max(b for _, b, _ in levels))
+    res = (replay_in_fresh_process if fresh else replay_once)(target, spec, prompts, opts)
+    out = {}
+    for label, r in res["levels"].items():
+        steady = [1000 * d[1] for d in r["draft_rounds"] if d[4]]
+        out[label] = {**{key: v for key, v in r["summary"].items() if key != "method"},
+                      "draft_round_ms": statistics.median(steady) if steady and spec else None,
+                      "draft_rounds": len(steady) if spec else 0, "outputs": r["outputs"]}
+    return {"status": "ok", "runner": res["runner"], "levels": out}
 
 
 REPEATED_KEYS = ("output_tokens_per_s", "mean_itl_ms", "wall_s")
@@ -383,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner", choices=("v1", "v2"), default="v1",
                     help="vLLM model runner; v2 on CPU runs through Triton's interpreter (lab.harness.runners): "
                          "slow, and draft rounds are timed on v1 only")
+    ap.add_argument("--compile", choices=sorted(COMPILE_MODES), default="vllm",
+                    help="on a GPU: 'vllm' = vLLM's default torch.compile + CUDA graphs, 'none' = full CUDA graphs "
+                         "of the decode/verify steps without torch.compile (ignored on CPU)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated max_num_seqs levels")
     ap.add_argument("--max-prompt-tokens", type=int, default=16384,
                     help="skip longer prompts; up to the target's context minus --max-tokens, K and 8 "
@@ -454,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(
         workload=args.workload, target=args.target, k=args.k, temperature=args.temperature,
         max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed, runner=args.runner, concurrency=args.concurrency,
-        tensor_parallel_size=args.tensor_parallel_size, repeats=args.repeats,
+        tensor_parallel_size=args.tensor_parallel_size, repeats=args.repeats, compile=args.compile,
         num_requests=len(prompts), prompt_tokens_min=min(map(len, prompts)),
         prompt_tokens_max=max(map(len, prompts)), max_model_len=args.max_model_len,
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",

@@ -271,18 +271,24 @@ def check_graph(chk: Checker, device, gen) -> None:
 
 
 # ============================================================================ timing
-def time_ms(fn: Callable[[], Any], device, iters: int, warmup: int, graph: bool) -> float:
-    """Median milliseconds per call (CUDA events; graph=True times CUDA-graph replays)."""
+def time_ms(fn: Callable[[], Any], device, iters: int, warmup: int = 1,
+            graph: bool = False) -> tuple[float, str]:
+    """Median milliseconds per call of ``fn`` and how it was timed: the one timing helper of the GPU
+    benchmarks (this script's ops and ``gpu_shapes.py``'s Qwen3-8B-shape steps).
+
+    On CUDA: CUDA events around each call; ``graph=True`` captures ``fn`` in a CUDA graph (after two
+    warm-up calls on a side stream) and times its replays, or eager launches when the capture
+    fails (``how`` says so). Elsewhere: wall time (``"cpu wall"``)."""
     if device.type != "cuda":
-        for _ in range(warmup):
+        for _ in range(max(warmup, 1)):
             fn()
         samples = []
         for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(samples)
-    run = fn
+        return statistics.median(samples), "cpu wall"
+    run, how = fn, "eager"
     if graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -290,11 +296,15 @@ def time_ms(fn: Callable[[], Any], device, iters: int, warmup: int, graph: bool)
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    for _ in range(warmup):
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run, how = g.replay, "cuda graph"
+        except Exception as exc:  # noqa: BLE001 - timed eagerly instead, and said so
+            how = f"eager (graph capture failed: {exc!r:.120})"
+            torch.cuda.synchronize()
+    for _ in range(max(warmup, 1)):
         run()
     torch.cuda.synchronize()
     samples = []
@@ -305,7 +315,7 @@ def time_ms(fn: Callable[[], Any], device, iters: int, warmup: int, graph: bool)
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return statistics.median(samples), how
 
 
 def copy_bandwidth_tbps(device) -> float:
@@ -313,7 +323,7 @@ def copy_bandwidth_tbps(device) -> float:
     n = 1 << 30  # bf16 elements = 2 GiB
     src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, iters=10, warmup=3, graph=False)
+    ms, _ = time_ms(lambda: dst.copy_(src), device, iters=10, warmup=3, graph=False)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n * 2 / (ms * 1e-3) / 1e12
@@ -324,10 +334,10 @@ def time_head(batches: list[int], device, gen, iters: int, copy_tbps: float) -> 
     rows = []
     for b in batches:
         args = head_inputs(b, S["K"], S["H"], S["r"], S["V"], 1, torch.bfloat16, device, gen)
-        t_op = time_ms(lambda: ops.sequential_head(*args), device, iters, 3, graph=True)
+        t_op, how = time_ms(lambda: ops.sequential_head(*args), device, iters, 3, graph=True)
         route = dispatch._last.get("sequential_head")
-        t_ref = time_ms(lambda: reference.sequential_head(*args), device, max(3, iters // 3), 2,
-                        graph=True)
+        t_ref, _ = time_ms(lambda: reference.sequential_head(*args), device, max(3, iters // 3), 2,
+                           graph=True)
         by = head_round_bytes(S, b)
         w_o_tbps = by["w_o"] / (t_op * 1e-3) / 1e12
         all_tbps = by["total"] / (t_op * 1e-3) / 1e12
@@ -335,7 +345,7 @@ def time_head(batches: list[int], device, gen, iters: int, copy_tbps: float) -> 
         rows.append(dict(op="sequential_head", batch=b, op_ms=t_op, ref_ms=t_ref,
                          speedup=t_ref / t_op, bytes=by["total"], w_o_tbps=w_o_tbps,
                          achieved_tbps=all_tbps, pct_copy=100 * all_tbps / copy_tbps,
-                         floor_ms=floor_ms, route=route))
+                         floor_ms=floor_ms, route=route, how=how))
         # gpt-fast style: time, bandwidth achieved, share of the ceiling
         print(f"  head b={b:3d}: {t_op:.3f} ms/round (reference {t_ref:.3f} ms), bandwidth "
               f"achieved {all_tbps:.2f} TB/s ({100 * all_tbps / copy_tbps:.0f} % of copy), W_o "
@@ -350,14 +360,14 @@ def time_attention(device, gen, iters: int) -> list[dict]:
     for b in (1, 64):
         args = attention_inputs(b, 2, 8, S["L"], S["Hq"], S["Hkv"], S["D"], torch.bfloat16,
                                 device, gen)
-        t_op = time_ms(lambda: ops.draft_attention(*args), device, iters, 3, graph=True)
+        t_op, how = time_ms(lambda: ops.draft_attention(*args), device, iters, 3, graph=True)
         route = dispatch._last.get("draft_attention")
-        t_ref = time_ms(lambda: reference.draft_attention(*args), device, iters, 3, graph=True)
+        t_ref, _ = time_ms(lambda: reference.draft_attention(*args), device, iters, 3, graph=True)
         # inputs + output (the size of q)
         nbytes = sum(a.numel() * a.element_size() for a in args[:5]) + args[0].numel() * 2
         rows.append(dict(op="draft_attention", batch=b, op_ms=t_op, ref_ms=t_ref,
                          speedup=t_ref / t_op, bytes=nbytes,
-                         achieved_tbps=nbytes / (t_op * 1e-3) / 1e12, route=route))
+                         achieved_tbps=nbytes / (t_op * 1e-3) / 1e12, route=route, how=how))
         print(f"  attention b={b:3d}: {t_op * 1e3:.1f} us (reference {t_ref * 1e3:.1f} us)",
               flush=True)
     return rows

@@ -343,18 +343,19 @@ def test_gpu_check_dry_mode_on_cpu(tmp_path):
 
 
 def test_gpu_check_stage_d_code_runs_on_cpu_at_tiny_shapes():
-    """Stage d's code (target stack with KV cache, DLite drafter at given shapes, EAGLE-3/DFlash
-    approximations, timing) at tiny shapes on CPU, so the GPU run meets no plain bug."""
-    gc = _load("gpu_check", REPO / "benchmarks/gpu_check.py")
-    args = gc.parse_args(["--out", "/tmp/unused", "--d-batches", "1,2", "--d-contexts", "16,32", "--d-iters", "1"])
-    shapes = gc.Qwen3Shapes(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=96, vocab=256,
-                            draft_layers=1, rank=64, features=3, eagle_vocab=64, dflash_layers=2)
+    """Stage d's code (benchmarks/gpu_shapes.py: target stack with KV cache, DLite drafter at given
+    shapes, EAGLE-3/DFlash approximations, gpu_kernels.time_ms) at tiny shapes on CPU, so the GPU run
+    meets no plain bug."""
+    import gpu_shapes
+
+    shapes = gpu_shapes.Qwen3Shapes(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=96,
+                                    vocab=256, draft_layers=1, rank=64, features=3, eagle_vocab=64, dflash_layers=2)
     rec: dict = {}
-    assert gc.stage_d(args, rec, lambda: None, shapes=shapes)
+    assert gpu_shapes.measure(rec, batches=[1, 2], contexts=[16, 32], iters=1, shapes=shapes)
     assert [(r["batch"], r["context"]) for r in rec["rows"]] == [(1, 16), (1, 32), (2, 16), (2, 32)]
     for r in rec["rows"]:
         assert all(r[f"{n}_ms"] > 0 for n in ("decode", "verify", "dlite", "eagle3", "dflash"))
-        assert r["kv_buffers"] == 4 and r["dlite_over_verify"] > 0
+        assert r["kv_buffers"] == 4 and r["dlite_over_verify"] > 0 and r["how"] == "cpu wall"
     assert "4 Qwen3 layers" in rec["what"]
 
 
@@ -373,3 +374,30 @@ def test_gpu_check_stage_b_on_cpu(tmp_path):
     assert {c["name"] for c in b["checks"]} >= {"eager: greedy identical to no speculation",
                                                 "eager: no draft KV (pool == no speculation)"}
     assert "b_lossless" in (tmp_path / "results.md").read_text()
+
+
+# ---------------------------------------------------------------------------- gpu_check's pieces on CPU
+def test_waves_merge_into_one_level_result():
+    """Stage c's batch levels (lab.harness.replay.replay_once with ``levels``): the waves of a level add
+    up (tok/s over the summed wall, ITL weighted by requests, per-position acceptance by drafts)."""
+    from lab.harness.replay import RunResult, merge_runs
+
+    a = RunResult("x", [[1, 2, 3]], 1.0, 3, 3.0, 10.0, 100, 2, 8, 4, 3.0, [1.0, 1.0, 0.0, 0.0], [{"p": 1}])
+    b = RunResult("x", [[4], [5, 6]], 2.0, 3, 1.5, 40.0, 100, 6, 24, 3, 1.5, [0.5, 0.0, 0.0, 0.0], [{"p": 2}])
+    m = merge_runs("lvl", [a, b])
+    assert m.outputs == [[1, 2, 3], [4], [5, 6]] and m.request_spec == [{"p": 1}, {"p": 2}]
+    assert (m.wall_s, m.output_tokens, m.output_tokens_per_s) == (3.0, 6, 2.0)
+    assert m.mean_itl_ms == 30.0  # (10 x 1 + 40 x 2) / 3 requests
+    assert (m.num_drafts, m.num_draft_tokens, m.accepted_tokens, m.tau) == (8, 32, 7, 1 + 7 / 8)
+    assert m.tau_per_position == [(2 * 1.0 + 6 * 0.5) / 8, 2 / 8, 0.0, 0.0]
+    assert merge_runs("one", [a]).summary() == {**a.summary(), "method": "one"}
+
+
+def test_ab_engine_kwargs_are_empty_on_cpu():
+    import ab
+
+    assert set(ab.COMPILE_MODES) == {"vllm", "none"}
+    import torch
+
+    if not torch.cuda.is_available():
+        assert ab.engine_kwargs("none", 0.15) == {}

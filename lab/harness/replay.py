@@ -203,33 +203,128 @@ class DraftRound(NamedTuple):
     verifying: bool         # every request of the step was decoding (steady state), see is_decode_step
 
 
+class EventDraftTimer:
+    """Draft rounds on Model Runner V2 on CUDA: CUDA events around ``runner.speculator.propose`` (no
+    host sync, so throughput is not disturbed); in-process engine only. ``records`` (read after
+    ``__exit__``): :class:`DraftRound` tuples with ``seconds == drafter_seconds``, ``context`` 0 (not
+    known here) and ``verifying`` = the batch held at most ``k + 1`` tokens per request (steady state)."""
+
+    def __init__(self, llm, k: int):
+        self.llm, self.k, self.records, self._raw, self._spec = llm, k, [], [], None
+
+    def __enter__(self) -> "EventDraftTimer":
+        raw = self._raw
+
+        def patch(worker):
+            spec = getattr(worker.model_runner, "speculator", None)
+            if spec is None or not hasattr(spec, "propose"):
+                return None
+            import torch
+
+            original = spec.propose
+
+            def timed(*a, **kw):
+                batch = kw.get("input_batch", a[0] if a else None)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = original(*a, **kw)
+                end.record()
+                raw.append((start, end, int(getattr(batch, "num_reqs", 0)), int(getattr(batch, "num_tokens", 0))))
+                return out
+
+            spec.propose = timed
+            return spec
+
+        self._spec = self.llm.collective_rpc(patch)[0]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self._spec is not None and "propose" in vars(self._spec):
+            del self._spec.propose
+        torch.cuda.synchronize()
+        for s, e, n, t in self._raw:
+            ms = s.elapsed_time(e)
+            self.records.append(DraftRound(ms / 1000, ms / 1000, n, 0, t <= n * (self.k + 1)))
+        self._raw.clear()
+
+
+def draft_timer(llm, runner: str, k: int):
+    """The draft-round timer for this engine: CUDA events on Model Runner V2 on CUDA
+    (:class:`EventDraftTimer`), else :class:`DraftTimer` (V1; records nothing on V2 on CPU)."""
+    import torch
+
+    return EventDraftTimer(llm, k) if runner == "v2" and torch.cuda.is_available() else DraftTimer()
+
+
+def merge_runs(method: str, runs: list[RunResult]) -> RunResult:
+    """One :class:`RunResult` from consecutive replays on one engine (waves): sums, tok/s over the
+    summed wall time, ITL weighted by requests, per-position acceptance weighted by drafts."""
+    drafts = sum(r.num_drafts for r in runs)
+    accepted = sum(r.accepted_tokens for r in runs)
+    wall, tokens = sum(r.wall_s for r in runs), sum(r.output_tokens for r in runs)
+    itl = [(r.mean_itl_ms, len(r.outputs)) for r in runs if r.mean_itl_ms == r.mean_itl_ms]  # not NaN
+    width = max((len(r.tau_per_position) for r in runs), default=0)
+    return RunResult(
+        method=method, outputs=[o for r in runs for o in r.outputs], wall_s=wall, output_tokens=tokens,
+        output_tokens_per_s=tokens / wall if wall else 0.0,
+        mean_itl_ms=sum(m * n for m, n in itl) / sum(n for _, n in itl) if itl else float("nan"),
+        kv_pool_tokens=runs[0].kv_pool_tokens if runs else 0, num_drafts=drafts,
+        num_draft_tokens=sum(r.num_draft_tokens for r in runs), accepted_tokens=accepted,
+        tau=(1 + accepted / drafts) if drafts else None,
+        tau_per_position=[sum(r.tau_per_position[i] * r.num_drafts for r in runs if len(r.tau_per_position) > i)
+                          / drafts for i in range(width)] if drafts else [],
+        request_spec=[q for r in runs for q in r.request_spec])
+
+
 def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
     """One fresh engine, one warm-up request, one timed replay of ``prompts``; the body of
     :func:`replay_in_fresh_process`. ``opts``: dtype, max_model_len, seed, max_num_seqs,
-    temperature, max_tokens and optionally tensor_parallel_size, env (variables set first) and runner
-    (``"v1"``/``"v2"``: how the calling process was set up, see :func:`replay_in_fresh_process`)."""
+    temperature, max_tokens and optionally tensor_parallel_size, env (variables set first), runner
+    (``"v1"``/``"v2"``: how the calling process was set up, see :func:`replay_in_fresh_process`),
+    engine (more ``LLM`` keyword arguments, e.g. CUDA-graph settings), k (draft tokens per round, for
+    the V2 draft timer) and levels.
+
+    ``levels``: ``[(label, batch, prompt indices), ...]``: the one engine replays each level's prompts
+    in waves of ``batch`` requests submitted at once (batch sizes measured without an engine per
+    size); the result then holds ``levels: {label: {summary, outputs, draft_rounds, request_spec}}``
+    instead of those four keys."""
     os.environ.update(opts.get("env") or {})
     from vllm_dlite.vllm.plugin import register
-
-    register()
-    extra = {"tensor_parallel_size": opts["tensor_parallel_size"]} if opts.get("tensor_parallel_size", 1) > 1 else {}
-    llm = build_llm(target, spec, dtype=opts["dtype"], max_model_len=opts["max_model_len"],
-                    seed=opts["seed"], max_num_seqs=opts["max_num_seqs"], **extra)
-    run_replay(llm, "warm-up", prompts[:1], max_tokens=4, temperature=opts["temperature"])
-    with DraftTimer() as timer:  # records nothing when the drafter runs in worker processes (TP > 1)
-        r = run_replay(llm, "replay", prompts, max_tokens=opts["max_tokens"],
-                       temperature=opts["temperature"], seed=opts["seed"])
-    drafting = None
-    if spec is not None and spec.get("method") in ("dlite-adaptive", "dlite-hybrid"):
-        from vllm_dlite.vllm.adaptive import collect_stats
-
-        drafting = collect_stats(llm)  # per-source counters, rounds by phase, cost model (warm-up included)
     from lab.harness.runners import runner_of
 
-    runner = runner_of(llm)
-    shutdown(llm)
-    return dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records, request_spec=r.request_spec,
-                drafting=drafting, runner=runner)
+    register()
+    extra = dict(opts.get("engine") or {})
+    if opts.get("tensor_parallel_size", 1) > 1:
+        extra["tensor_parallel_size"] = opts["tensor_parallel_size"]
+    llm = build_llm(target, spec, dtype=opts["dtype"], max_model_len=opts["max_model_len"],
+                    seed=opts["seed"], max_num_seqs=opts["max_num_seqs"], **extra)
+    try:
+        runner = runner_of(llm)
+        run_replay(llm, "warm-up", prompts[:1], max_tokens=4, temperature=opts["temperature"])
+        levels = opts.get("levels") or [(None, None, range(len(prompts)))]
+        by_level = {}
+        for label, batch, indices in levels:
+            chosen = [prompts[i] for i in indices]
+            step = batch or len(chosen)
+            # records nothing when the drafter runs in worker processes (TP > 1)
+            with draft_timer(llm, runner, opts.get("k", 7)) as timer:
+                r = merge_runs("replay", [run_replay(llm, "replay", chosen[i:i + step], max_tokens=opts["max_tokens"],
+                                                     temperature=opts["temperature"], seed=opts["seed"])
+                                          for i in range(0, len(chosen), step)])
+            by_level[label] = dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records,
+                                   request_spec=r.request_spec)
+        drafting = None
+        if spec is not None and spec.get("method") in ("dlite-adaptive", "dlite-hybrid"):
+            from vllm_dlite.vllm.adaptive import collect_stats
+
+            drafting = collect_stats(llm)  # per-source counters, rounds by phase, cost model (warm-up included)
+    finally:
+        shutdown(llm)
+    if opts.get("levels"):
+        return dict(levels=by_level, drafting=drafting, runner=runner)
+    return dict(**by_level[None], drafting=drafting, runner=runner)
 
 
 def in_fresh_process(fn, *args):
