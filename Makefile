@@ -5,7 +5,7 @@ PY := .venv/bin/python
 setup:
 	bash scripts/setup_env.sh
 
-demo: setup                    ## DLite vs no speculation on held-out agentic replay (vLLM, CPU)
+demo: setup                    ## no speculation vs DLite on 8 held-out agent turns (vLLM V1, CPU; ~3 min)
 	$(PY) examples/offline_generate.py
 
 test: setup                    ## the suite without the engine end-to-end tests (under 15 min here)
