@@ -1,6 +1,9 @@
 """Shared fixtures: the shipped tiny target + DLite drafter replayed through vLLM once per session.
 
 ``tok``: the shipped tiny target's tokenizer (once per session).
+``models``: a tiny random target with a random and a copy drafter (``helpers_vllm.tiny_models``),
+built once per session for every engine test that needs no trained weights.
+``greedy``: greedy sampling of the test module's ``MAX_TOKENS`` (default 16) tokens, EOS ignored.
 ``shipped_requests``: 8 held-out agentic + 8 held-out code turns (prompts <= 3,072 tokens).
 ``runner``: the vLLM model runner under test, ``v1`` and ``v2`` (module-scoped parameter).
 ``shipped_replays``: those prompts through a fresh vLLM engine on that runner (fresh process; fp32,
@@ -74,6 +77,20 @@ def tok():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(TARGET_DIR))
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    import helpers_vllm as H
+
+    return H.tiny_models(tmp_path_factory.mktemp("dlite_tiny_models"))
+
+
+@pytest.fixture(scope="module")
+def greedy(request):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=getattr(request.module, "MAX_TOKENS", 16), ignore_eos=True)
 
 
 @pytest.fixture(scope="session")

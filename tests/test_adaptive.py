@@ -23,7 +23,7 @@ import torch
 import helpers_vllm as H  # noqa: E402
 
 from vllm_dlite.vllm.adaptive import (ADDITIONAL_CONFIG_KEY, AdaptiveController, AdaptiveOptions,
-                                      Match, Plan, check_runner)
+                                      Match, check_runner)
 from vllm_dlite.vllm.adaptive.cost import (AcceptanceStats, CostModel, choose_lengths, choose_source,
                                             ConfidenceCalibration, expected_from_confidence)
 
@@ -60,11 +60,6 @@ def test_hybrid_without_arctic_inference_is_refused_with_the_fix(monkeypatch):
         AdaptiveOptions.from_dict("hybrid")
     assert "dlite-adaptive" in str(err.value) and "\n" not in str(err.value)
     AdaptiveOptions.from_dict("adaptive")  # the adaptive method does not need it
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return H.tiny_models(tmp_path_factory.mktemp("dlite_adaptive_models"))
 
 
 def test_methods_map_to_dflash_and_carry_options(models):
@@ -400,11 +395,6 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def prompts():
     return H.make_prompts(NUM_PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def greedy():
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

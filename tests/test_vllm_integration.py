@@ -45,18 +45,8 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return H.tiny_models(tmp_path_factory.mktemp("dlite_vllm_models"))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return H.make_prompts(NUM_PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def greedy():
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

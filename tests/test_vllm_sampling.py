@@ -38,11 +38,6 @@ ALPHA = 1e-3
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return H.tiny_models(tmp_path_factory.mktemp("dlite_sampling_models"))
-
-
-@pytest.fixture(scope="module")
 def exact_joint(models) -> torch.Tensor:
     """``P[y1, y2]`` of the target for the first two sampled tokens, ``[V, V]`` fp64."""
     from transformers import AutoTokenizer
