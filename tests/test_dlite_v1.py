@@ -21,6 +21,7 @@ import torch
 
 from vllm_dlite.config import DLiteConfig, build_target_layer_ids
 from vllm_dlite.model import CheckpointError, DLiteDrafter, check_checkpoint, load_drafter, save_pretrained
+from sparse_safetensors import write_sparse_safetensors
 
 N_TARGET, H, V = 6, 32, 97
 
@@ -255,25 +256,10 @@ def test_authors_checkpoint_at_qwen3_shapes_on_meta(tmp_path, shape, expected):
     index = {"metadata": {}, "weight_map": {}}
     for s, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
         fname = f"model-{s + 1:05d}-of-00002.safetensors"
-        _write_header_only(tmp_path / fname, {f"model.{n}": tuple(model.state_dict()[n].shape) for n in chunk})
+        write_sparse_safetensors(tmp_path / fname, {f"model.{n}": tuple(model.state_dict()[n].shape) for n in chunk})
         index["weight_map"].update({f"model.{n}": fname for n in chunk})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     assert check_checkpoint(tmp_path).sequential_rank == shape[2]
-
-
-def _write_header_only(path: Path, shapes: dict[str, tuple]) -> None:
-    """A valid safetensors file whose data is sparse (zeros): header + a hole of the right size."""
-    offset, header = 0, {}
-    for name, shape in shapes.items():
-        n = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        f.truncate(8 + len(blob) + offset)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import torch
 from vllm_dlite.config import DLiteConfig, build_target_layer_ids
 from vllm_dlite.model import DLiteDrafter
 from vllm_dlite.vllm.plugin import prepare_speculative_config
+from sparse_safetensors import write_sparse_safetensors
 
 V = 151936
 SHAPES = {  # hidden, intermediate, rank (DLITE_V1.md section 7; L = 14 as the issue states)
@@ -52,21 +53,6 @@ def authors_config(size: str, *, num_target_layers: int = 36, L: int = 14) -> di
                              "sequential_head": "rnn", "sequential_rank": r, "mask_token_id": MASK}}
 
 
-def _write_sparse_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
-    """A valid bf16 safetensors file: header, then a hole as long as the data it describes."""
-    offset, header = 0, {"__metadata__": {"format": "pt"}}
-    for name, shape in shapes.items():
-        n = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        f.truncate(8 + len(blob) + offset)
-
-
 def write_checkpoint(directory: Path, cfg: dict, shards: int = 3) -> Path:
     """config.json + ``shards`` sparse bf16 shards + model.safetensors.index.json, in the
     authors' tensor names, with the shapes the config implies (built on the meta device)."""
@@ -81,7 +67,7 @@ def write_checkpoint(directory: Path, cfg: dict, shards: int = 3) -> Path:
     for s in range(shards):
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         chunk = names[s * per:(s + 1) * per]
-        _write_sparse_safetensors(directory / fname, {n: state[n] for n in chunk})
+        write_sparse_safetensors(directory / fname, {n: state[n] for n in chunk})
         index["weight_map"].update({n: fname for n in chunk})
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return directory
