@@ -12,8 +12,8 @@ import helpers_vllm as H
 import pytest
 import torch
 
+import lab.baselines as B
 from lab.baselines import features as BF
-from vllm_dlite.train import baselines as B
 from lab.baselines import patches as SP
 
 K = 7
