@@ -1,6 +1,6 @@
 """Replay requests through a fresh vLLM engine with one speculative method; read its metrics.
 
-Shared by ``examples/offline_generate.py`` and ``benchmarks/ab.py`` so that every method runs
+Shared by ``benchmarks/ab.py``, ``benchmarks/gpu_check.py`` and the tests so that every method runs
 with identical engine settings (built by :mod:`vllm_dlite.vllm.engine`). Terms (vLLM's conventions):
 
 * ``num_drafts``: verification rounds that carried a draft; ``accepted``: draft tokens accepted.

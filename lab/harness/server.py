@@ -1,6 +1,6 @@
 """``vllm serve`` as a child process on a loopback port: start, wait until healthy, measure, stop.
 
-Used by the examples, the load/fault benchmark and the tests, so every one of them starts the
+Used by the load/fault benchmark, the session replay and the tests, so every one of them starts the
 server the same way (the project's ``.venv/bin/vllm``, the user's flags unchanged).
 
 * :class:`VLLMServer` is a context manager: ``with VLLMServer(model, *flags) as server:`` yields
