@@ -353,6 +353,7 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return kernels
 
 
+@pytest.mark.slow  # ~20 s of nvcc
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_cuda_sources_compile_for_sm90_without_spills(tmp_path):
     nvcc = _nvcc()
