@@ -60,6 +60,7 @@ def test_serve_with_tensor_parallel_2(tmp_path, runner):
     out = tmp_path / "serve.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the example pins one core per rank itself
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by other tests' engines; a server runs its core apart
     proc = subprocess.run([sys.executable, str(REPO / "examples/serve_dlite.py"), "--tensor-parallel-size", "2",
                            "--enforce-eager", "--max-tokens", "32", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
