@@ -5,7 +5,7 @@ PY := .venv/bin/python
 setup:
 	bash scripts/setup_env.sh
 
-demo: setup                    ## no speculation vs DLite on 8 held-out agent turns (vLLM V1, CPU; ~3 min)
+demo: setup                    ## no speculation vs DLite on 8 held-out agent turns (vLLM V1, CPU; 2 min after set-up)
 	$(PY) examples/offline_generate.py
 
 test: setup                    ## every test under ~20 s (2.5 min on this 2-core host)
