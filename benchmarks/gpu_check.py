@@ -286,9 +286,8 @@ def stage_d(args, rec: dict, save: Callable[[], None]) -> bool:
     """benchmarks/gpu_shapes.py's measurement (tiny shapes on CPU)."""
     import gpu_shapes  # beside this script
 
-    return gpu_shapes.measure(rec, save, batches=[int(b) for b in args.d_batches.split(",")],
-                              contexts=[int(c) for c in args.d_contexts.split(",")], iters=args.d_iters,
-                              kv_gib=args.d_kv_gib, budget_s=args.d_budget_s)
+    return gpu_shapes.measure(rec, save, **gpu_shapes.measure_options(
+        args.d_batches, args.d_contexts, args.d_iters, args.d_kv_gib, args.d_budget_s))
 
 
 STAGE_FUNCS = {"a": stage_a, "b": stage_b, "c": stage_c, "d": stage_d}
@@ -444,11 +443,12 @@ def parse_args(argv=None):
     ap.add_argument("--c-max-prompt-tokens", type=int, default=6144)
     ap.add_argument("--c-dtype", default="bfloat16")
     ap.add_argument("--c-budget-s", type=float, default=150)
-    ap.add_argument("--d-batches", default="1,8,32,64")
-    ap.add_argument("--d-contexts", default="1024,4096,16384,32768")
-    ap.add_argument("--d-iters", type=int, default=10)
-    ap.add_argument("--d-kv-gib", type=float, default=40.0)
-    ap.add_argument("--d-budget-s", type=float, default=60)
+    # stage d: left out = benchmarks/gpu_shapes.py measure()'s defaults (batches 1,8,32,64, contexts 1k-32k)
+    ap.add_argument("--d-batches")
+    ap.add_argument("--d-contexts")
+    ap.add_argument("--d-iters", type=int)
+    ap.add_argument("--d-kv-gib", type=float)
+    ap.add_argument("--d-budget-s", type=float)
     args = ap.parse_args(argv)
     from vllm_dlite.config import resolve_k
 

@@ -226,14 +226,24 @@ def measure(rec: dict, save: Callable[[], None] = lambda: None, *, batches=(1, 8
     return bool(rows) and not any("error" in r for r in rows)
 
 
+def measure_options(batches: Optional[str] = None, contexts: Optional[str] = None, iters: Optional[int] = None,
+                    kv_gib: Optional[float] = None, budget_s: Optional[float] = None) -> dict:
+    """:func:`measure`'s keyword arguments from command-line values (comma-separated batches and
+    contexts); a value left None keeps :func:`measure`'s default, the one place the defaults live."""
+    given = dict(batches=batches and [int(b) for b in batches.split(",")],
+                 contexts=contexts and [int(c) for c in contexts.split(",")],
+                 iters=iters, kv_gib=kv_gib, budget_s=budget_s)
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--contexts", default="1024,4096,16384,32768")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--kv-gib", type=float, default=40.0)
-    ap.add_argument("--budget-s", type=float, default=60)
+    ap.add_argument("--batches", help="comma-separated (default: measure's, 1,8,32,64)")
+    ap.add_argument("--contexts", help="comma-separated (default: measure's, 1024,4096,16384,32768)")
+    ap.add_argument("--iters", type=int)
+    ap.add_argument("--kv-gib", type=float)
+    ap.add_argument("--budget-s", type=float)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rec: dict = {}
@@ -241,9 +251,7 @@ def main(argv=None) -> int:
     def save():
         (args.out / "gpu_shapes.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
 
-    ok = measure(rec, save, batches=[int(b) for b in args.batches.split(",")],
-                 contexts=[int(c) for c in args.contexts.split(",")], iters=args.iters, kv_gib=args.kv_gib,
-                 budget_s=args.budget_s)
+    ok = measure(rec, save, **measure_options(args.batches, args.contexts, args.iters, args.kv_gib, args.budget_s))
     save()
     return 0 if ok else 1
 
