@@ -317,6 +317,11 @@ ADAPTERS: tuple[Adapter, ...] = (
 _DECODE_QUERY_KEYWORD: dict[type, str] = {}
 
 
+# the fix both V2 adapters name when the installed vLLM's speculator internals moved
+_V2_RUNNER_FIX = ("serve DLite with VLLM_USE_V2_MODEL_RUNNER=0 (Model Runner V1) or on a release recorded "
+                  "in compat.KNOWN_GROUPS")
+
+
 def graph_manager_decode_query(manager_cls: type, query_len: int, max_num_reqs: int) -> dict[str, Any]:
     """The keyword argument that tells ``manager_cls(vllm_config, device, cudagraph_mode, **it)``
     (vLLM's V2 ``CudaGraphManager`` or a subclass) that uniform decode batches have ``query_len``
@@ -335,8 +340,7 @@ def graph_manager_decode_query(manager_cls: type, query_len: int, max_num_reqs: 
             raise TypeError(
                 f"{manager_cls.__module__}.{manager_cls.__qualname__}.__init__ takes neither decode_query_len "
                 f"(vLLM 0.32-0.33) nor decode_query_lens (0.34): on vLLM {installed_version()} compat group "
-                f"{V2_RUNNER.name!r} (the DLite speculator) does not hold; serve DLite with "
-                "VLLM_USE_V2_MODEL_RUNNER=0 (Model Runner V1) or on a release recorded in compat.KNOWN_GROUPS")
+                f"{V2_RUNNER.name!r} (the DLite speculator) does not hold; {_V2_RUNNER_FIX}")
         _DECODE_QUERY_KEYWORD[manager_cls] = keyword
     if keyword == "decode_query_lens":
         return {keyword: {query_len: max_num_reqs}}
@@ -367,7 +371,7 @@ def write_draft_logits(draft_logits: Any, req_state_idx: Any, logits: Any) -> No
         raise TypeError(
             f"draft_logits is a {type(draft_logits).__qualname__}, neither a tensor (vLLM 0.32-0.33) nor a "
             f"DraftLogitsCache with .values/.row_mapping (0.34): vLLM {installed_version()} changed it; the "
-            f"DLite speculator needs compat group {V2_RUNNER.name!r}")
+            f"DLite speculator needs compat group {V2_RUNNER.name!r}; {_V2_RUNNER_FIX}")
     values[rows, : logits.shape[1]] = logits.to(values.dtype)
 
 
