@@ -88,6 +88,9 @@ def vllm_env(on_gpu: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if on_gpu:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        # the bundle carries no FlashInfer; V2's sampler imports its backend unless this is 0
+        # (first GPU run, 2026-12-04: "No module named 'flashinfer'" in Sampler.__init__)
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     else:
         from vllm_dlite.vllm.engine import use_cpu_env
 

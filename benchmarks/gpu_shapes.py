@@ -176,6 +176,15 @@ def measure(rec: dict, save: Callable[[], None] = lambda: None, *, batches=(1, 8
     drafter = build_dlite(s, target, device, dtype)
     from vllm_dlite.ops import dispatch
 
+    if on_gpu:  # the CUDA ops of csrc/ (JIT-built unless installed); the reference if that fails
+        import tempfile
+
+        from gpu_kernels import build
+        try:
+            rec["dlite_build"] = build("auto", Path(tempfile.gettempdir()) / "dlite_jit_build")
+        except Exception as exc:  # noqa: BLE001
+            rec["dlite_build"] = f"failed, PyTorch reference used: {exc!r:.300}"
+
     rec["setup_s"] = round(time.perf_counter() - t0, 1)
     rows, dlite_ms = rec.setdefault("rows", []), rec.setdefault("dlite_round_ms", {})
     g = torch.Generator(device=device).manual_seed(0)

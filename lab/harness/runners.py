@@ -156,11 +156,12 @@ def _call(runner: str, target: str, payload: bytes):
 _POOLS: dict = {}  # runner -> a spawned process kept for reuse (call_with_runner(..., fresh=False))
 
 
-def call_with_runner(runner: str, target: str, *args, fresh: bool = True, **kwargs):
+def call_with_runner(runner: str, target: str, /, *args, fresh: bool = True, **kwargs):
     """``module:function(*args, **kwargs)`` in a spawned process set up for ``runner``. The function
     and its arguments are loaded there after the set-up, so they may be (or import) vLLM objects,
     e.g. ``SamplingParams``. ``fresh=False`` reuses one process per runner for the life of this
-    one (tests: vLLM's import and the interpreter's kernel set-up are paid once)."""
+    one (tests: vLLM's import and the interpreter's kernel set-up are paid once). ``runner`` and
+    ``target`` are positional-only, so the function may take a ``runner=`` keyword of its own."""
     import atexit
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
