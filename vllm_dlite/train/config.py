@@ -120,7 +120,8 @@ class AblationSection:
 class EvalSection:
     """Offline acceptance estimate after training (rank 0; empty kinds = skipped)."""
 
-    kinds: dict[str, int] = field(default_factory=dict)  # held-out sessions per kind
+    kinds: dict[str, int] = field(default_factory=dict)  # generated sessions per kind
+    split: str = "heldout"  # of those sessions: heldout, or train with a seed the data did not use
     workloads: list[str] = field(default_factory=list)  # or workload JSONL files
     max_requests_per_kind: int = 8
     max_new_tokens: int = 128
@@ -198,6 +199,15 @@ class TrainConfig:
             raise ValueError("run.precision must be auto, bf16 or fp32")
         if self.optim.grad_accum_steps < 1:
             raise ValueError("optim.grad_accum_steps must be >= 1")
+        if self.eval.kinds and self.eval.split not in ("train", "heldout"):
+            raise ValueError(f"eval.split must be 'train' or 'heldout', got {self.eval.split!r}")
+        regen = self.data.regenerate
+        if self.eval.kinds and self.eval.split == regen.split and self.eval.seed == regen.seed:
+            raise ValueError(
+                f"eval.kinds would evaluate on the training sessions (split {regen.split!r}, seed "
+                f"{regen.seed}, as data.regenerate): set eval.seed to a seed the data did not use "
+                "(a validation split) or eval.split: heldout"
+            )
         return self
 
     def stages(self) -> list[str]:

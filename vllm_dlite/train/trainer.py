@@ -584,7 +584,7 @@ class Trainer:
         e = self.cfg.eval
         return evaluate(
             target=self.cfg.target.path, drafter=str(self.out), workloads=e.workloads,
-            kinds=e.kinds, seed=e.seed, max_requests_per_kind=e.max_requests_per_kind,
+            kinds=e.kinds, split=e.split, seed=e.seed, max_requests_per_kind=e.max_requests_per_kind,
             max_new_tokens=e.max_new_tokens, max_prompt_tokens=e.max_prompt_tokens,
             check_lossless=False, progress=self.cfg.run.progress, device=str(self.info.device),
             dtype=self.cfg.target.dtype,
