@@ -446,6 +446,22 @@ def test_cli_config_overrides_and_ablation(tmp_path):
         resolve_config(build_parser().parse_args(["--set", "optim.lrr=1"]))
 
 
+def test_eval_on_the_training_sessions_is_refused_a_validation_seed_is_not():
+    """``eval.kinds`` with ``eval.split: train`` is a validation split only with a seed the data did
+    not use; the training seed fails at config load, naming the fix."""
+    from vllm_dlite.train.config import TrainConfig
+
+    base = {"target": {"path": "/x"}, "run": {"out": "/y"},
+            "data": {"regenerate": {"split": "train", "seed": 1}}}
+    ok = TrainConfig.from_dict({**base, "eval": {"kinds": {"code": 2}, "split": "train", "seed": 2}})
+    assert ok.validate().eval.split == "train"
+    bad = TrainConfig.from_dict({**base, "eval": {"kinds": {"code": 2}, "split": "train", "seed": 1}})
+    with pytest.raises(ValueError, match="training sessions.*set eval.seed to a seed the data did not use"):
+        bad.validate()
+    with pytest.raises(ValueError, match="eval.split must be"):
+        TrainConfig.from_dict({**base, "eval": {"kinds": {"code": 2}, "split": "test"}}).validate()
+
+
 def test_model_keys_are_the_dlite_config_fields_and_old_names_are_refused():
     """``model.num_hidden_layers`` / ``model.sequential_rank`` are DLiteConfig's names (the shipped
     config uses them); the earlier names (still in models/*/training_report.json) fail naming the new."""

@@ -98,7 +98,9 @@ def model_card(report: dict[str, Any], dlite: DLiteConfig) -> str:
         s = ev["settings"]
         lines += [
             "",
-            "## Offline greedy acceptance (held-out replays)",
+            "## Offline greedy acceptance (" + (
+                "held-out replays)" if s.get("workloads") or s.get("split", "heldout") == "heldout"
+                else f"validation: {s.get('split')}-split sessions of seed {s.get('seed')})"),
             "",
             f"`vllm_dlite.train.offline_eval`: HF target ({s.get('dtype')}), K = {s['k']}, greedy, "
             f"batch 1, {s['max_new_tokens']} new tokens, prompts <= {s.get('max_prompt_tokens')} "

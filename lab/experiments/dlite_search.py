@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Search for the best DLite drafter of the tiny target within a fixed training budget.
+
+    .venv/bin/python lab/experiments/dlite_search.py run --jobs 2 \\
+        r128="model.sequential_rank=128" r256="model.sequential_rank=256"
+    .venv/bin/python lab/experiments/dlite_search.py eval shipped=models/dlite-qwen3-tiny-stdlib
+    .venv/bin/python lab/experiments/dlite_search.py report --out benchmarks/results/dlite-search
+
+Every candidate is ``python -m vllm_dlite.train --config configs/dlite-tiny.yaml`` plus its
+``--set`` overrides (space-separated ``key=value``), one thread each, on ONE regenerated data set
+and ONE set of feature files under ``runs/search/`` (so candidates differ only in what they set).
+The first candidate runs alone until it has written the feature files; the rest then share them.
+
+Selection never reads the held-out files. Each trained candidate is scored by the trainer's
+offline greedy estimate (``vllm_dlite.train.offline_eval``, K = the drafter's, HF target, fp32) on a
+**validation split**: sessions of the *training* split generated with seed :data:`VAL_SEED`, which
+the drafter's data (seed 1) and the target's (seed 0) did not use. ``report`` prints, per
+candidate: its settings, training seconds per stage (the budget is the sum over candidates),
+optimizer steps, the validation tau overall and per kind, and per-position acceptance.
+
+Results accumulate in ``runs/search/results.jsonl``; ``report --out`` writes ``search.json`` and
+``README.md`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ROOT = REPO / "runs" / "search"
+SEQUENCES = ROOT / "base" / "data" / "sequences.jsonl"  # `--only-data --work-dir runs/search/base`
+FEATURES = ROOT / "features"
+RESULTS = ROOT / "results.jsonl"
+CONFIG = "configs/dlite-tiny.yaml"
+VAL_SEED = 2
+VAL_KINDS = {"agentic": 4, "code": 24, "chat": 24}  # sessions per kind (agentic: ~8 turns each)
+VAL_SETS = [
+    "eval.workloads=[]", f"eval.kinds={json.dumps(VAL_KINDS)}", "eval.split=train",
+    f"eval.seed={VAL_SEED}", "eval.max_requests_per_kind=24", "eval.max_new_tokens=128",
+    "eval.max_prompt_tokens=8192",
+]
+
+
+def train_command(name: str, sets: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm_dlite.train", "--config", CONFIG,
+           "--sequences", str(SEQUENCES), "--set", f"data.features_dir={FEATURES}",
+           "--out", str(ROOT / name / "model"), "--work-dir", str(ROOT / name)]
+    for item in VAL_SETS + sets:
+        cmd += ["--set", item]
+    return cmd
+
+
+def record(name: str, sets: list[str], report_path: Path) -> dict:
+    rep = json.loads(report_path.read_text())
+    ev = rep["offline_eval"]
+    row = dict(
+        name=name, sets=sets, drafter=str(report_path.parent.relative_to(REPO)),
+        train_s={s: v["wall_s"] for s, v in rep.get("stages", {}).items()},
+        steps={s: v["steps"] for s, v in rep.get("stages", {}).items()},
+        epochs=rep["config"]["epochs"], parameters=rep["model"]["drafter_parameters"],
+        val_tau=ev["overall"]["tau"], val_tau_by_kind={k: v["tau"] for k, v in ev["per_kind"].items()},
+        val_acceptance=ev["overall"]["acceptance_rate_per_position"],
+        val_requests=ev["overall"]["requests"], final_train_metrics=rep.get("final_metrics"),
+    )
+    with RESULTS.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    if not Path(str(SEQUENCES) + ".meta.json").exists():  # written when the regeneration completes
+        sys.exit(f"{SEQUENCES} missing: run `python -m vllm_dlite.train --config {CONFIG} "
+                 "--work-dir runs/search/base --only-data` first")
+    todo = [(c.split("=", 1)[0], c.split("=", 1)[1].split()) for c in args.candidates]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    running: list[tuple[str, list[str], subprocess.Popen]] = []
+    while todo or running:
+        # the first candidate writes the shared feature files; the others start once it trains
+        features_ready = not running or any((ROOT / n / "metrics.jsonl").exists() for n, _, _ in running)
+        while todo and len(running) < args.jobs and (features_ready or not running):
+            name, sets = todo.pop(0)
+            (ROOT / name).mkdir(parents=True, exist_ok=True)
+            log = open(ROOT / name / "train.log", "a")
+            print(f"[search] start {name}: {' '.join(sets)}", flush=True)
+            running.append((name, sets, subprocess.Popen(
+                train_command(name, sets), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)))
+            features_ready = False  # wait for this one to reach training before the next
+        time.sleep(10)
+        for item in list(running):
+            name, sets, proc = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            if proc.returncode:
+                print(f"[search] {name} FAILED (exit {proc.returncode}): {ROOT / name / 'train.log'}")
+                continue
+            row = record(name, sets, ROOT / name / "model" / "training_report.json")
+            print(f"[search] done {name}: val tau {row['val_tau']} {row['val_tau_by_kind']} "
+                  f"train {sum(row['train_s'].values()):.0f} s", flush=True)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Score an existing drafter on the validation split (no training; e.g. the shipped one)."""
+    from vllm_dlite.train.offline_eval import evaluate
+
+    for item in args.drafters:
+        name, path = item.split("=", 1)
+        ev = evaluate(target=str(REPO / "models" / "qwen3-tiny-stdlib"), drafter=path,
+                      kinds=VAL_KINDS, split="train", seed=VAL_SEED, max_requests_per_kind=24,
+                      max_new_tokens=128, max_prompt_tokens=8192, check_lossless=False,
+                      dtype="float32", progress=False)
+        rep = json.loads((Path(path) / "training_report.json").read_text())
+        row = dict(
+            name=name, sets=["(trained earlier on its own regeneration of the same recipe)"],
+            drafter=path, train_s={s: v["wall_s"] for s, v in rep["stages"].items()},
+            steps={s: v["steps"] for s, v in rep["stages"].items()}, epochs=rep["config"]["epochs"],
+            parameters=rep["model"]["drafter_parameters"], val_tau=ev["overall"]["tau"],
+            val_tau_by_kind={k: v["tau"] for k, v in ev["per_kind"].items()},
+            val_acceptance=ev["overall"]["acceptance_rate_per_position"],
+            val_requests=ev["overall"]["requests"], final_train_metrics=rep.get("final_metrics"))
+        with RESULTS.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[search] {name}: val tau {row['val_tau']} {row['val_tau_by_kind']}")
+
+
+def cmd_overlap(args: argparse.Namespace) -> None:
+    """How far the validation split is from the training data: validation prompts that are also a
+    training prompt, and validation replies (greedy, the target's) that occur in the training data."""
+    from transformers import AutoTokenizer
+
+    from vllm_dlite.train.offline_eval import load_requests
+
+    tok = AutoTokenizer.from_pretrained(str(REPO / "models" / "qwen3-tiny-stdlib"))
+    train = [json.loads(line) for line in SEQUENCES.read_text().splitlines() if line.strip()]
+    prompts = {tuple(t["token_ids"][:t["prompt_len"]]) for t in train}
+    sessions = {t["session_id"] for t in train}
+    val = load_requests(tok, (), VAL_KINDS, "train", VAL_SEED, 8192, 24)
+    same = sum(tuple(r.prompt_token_ids) in prompts for r in val)
+    shared_ids = sum(r.session_id in sessions for r in val)
+    print(f"validation requests {len(val)} (split train, seed {VAL_SEED}); training sequences "
+          f"{len(train)}: identical prompts {same}, shared session ids {shared_ids}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    budget = sum(sum(r["train_s"].values()) for r in rows)
+    lines = [
+        "| candidate | settings | epochs t/kl/st | train s (t/kl/st) | val tau | agentic | code | chat "
+        "| acceptance 1..7 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: -r["val_tau"]):
+        e, s, k = r["epochs"], r["train_s"], r["val_tau_by_kind"]
+        lines.append(
+            f"| {r['name']} | {' '.join(r['sets'])} | {e.get('teacher')}/{e.get('kl')}/{e.get('stable')} "
+            f"| {sum(s.values()):.0f} ({'/'.join(f'{v:.0f}' for v in s.values())}) | {r['val_tau']:.3f} "
+            f"| {k.get('agentic', 0):.2f} | {k.get('code', 0):.2f} | {k.get('chat', 0):.2f} "
+            f"| {' '.join(f'{a:.2f}' for a in r['val_acceptance'])} |")
+    lines.append(f"\nTraining time, all candidates: {budget:.0f} s (one thread each).")
+    print("\n".join(lines))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "search.json").write_text(json.dumps(dict(rows=rows, train_s_total=budget,
+                                                         val_kinds=VAL_KINDS, val_seed=VAL_SEED),
+                                                    indent=1) + "\n")
+        (out / "table.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--jobs", type=int, default=2)
+    r.add_argument("candidates", nargs="+", metavar='NAME="key=value ..."')
+    e = sub.add_parser("eval")
+    e.add_argument("drafters", nargs="+", metavar="NAME=PATH")
+    sub.add_parser("overlap")
+    p = sub.add_parser("report")
+    p.add_argument("--out")
+    args = ap.parse_args()
+    {"run": cmd_run, "eval": cmd_eval, "overlap": cmd_overlap, "report": cmd_report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
