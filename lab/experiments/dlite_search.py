@@ -147,6 +147,20 @@ def cmd_overlap(args: argparse.Namespace) -> None:
           f"{len(train)}: identical prompts {same}, shared session ids {shared_ids}")
 
 
+def cmd_ship(args: argparse.Namespace) -> None:
+    """Replace the shipped drafter with a candidate's checkpoint; its model card gets the search."""
+    import shutil
+
+    src, dst = ROOT / args.name / "model", REPO / args.dest
+    table = Path(args.table).read_text()
+    shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    card = dst / "README.md"
+    card.write_text(card.read_text() + "\n## How this configuration was chosen\n\n" + args.why.strip()
+                    + "\n\n" + table)
+    print(f"{src} -> {dst}")
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
     budget = sum(sum(r["train_s"].values()) for r in rows)
@@ -180,10 +194,16 @@ def main() -> None:
     e = sub.add_parser("eval")
     e.add_argument("drafters", nargs="+", metavar="NAME=PATH")
     sub.add_parser("overlap")
+    sh = sub.add_parser("ship")
+    sh.add_argument("name")
+    sh.add_argument("--dest", default="models/dlite-qwen3-tiny-stdlib")
+    sh.add_argument("--table", default="benchmarks/results/dlite-search/table.md")
+    sh.add_argument("--why", required=True, help="a paragraph: the budget, the machine, the choice")
     p = sub.add_parser("report")
     p.add_argument("--out")
     args = ap.parse_args()
-    {"run": cmd_run, "eval": cmd_eval, "overlap": cmd_overlap, "report": cmd_report}[args.cmd](args)
+    {"run": cmd_run, "eval": cmd_eval, "overlap": cmd_overlap, "ship": cmd_ship,
+     "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":
