@@ -470,7 +470,7 @@ def test_model_keys_are_the_dlite_config_fields_and_old_names_are_refused():
     from vllm_dlite.train.config import TrainConfig
 
     cfg = resolve_config(build_parser().parse_args(["--config", str(REPO / "configs" / "dlite-tiny.yaml")]))
-    assert cfg.model.num_hidden_layers == 2 and cfg.model.sequential_rank == 32
+    assert cfg.model.num_hidden_layers == 2 and cfg.model.sequential_rank == 256
     with pytest.raises(ValueError, match=r"model\.head_rank is now model\.sequential_rank") as err:
         TrainConfig.from_dict({"model": {"head_rank": 4, "num_layers": 1}})
     assert "model.num_layers is now model.num_hidden_layers" in str(err.value) and "\n" not in str(err.value)
