@@ -13,13 +13,13 @@ The first candidate runs alone until it has written the feature files; the rest 
 
 Selection never reads the held-out files. Each trained candidate is scored by the trainer's
 offline greedy estimate (``vllm_dlite.train.offline_eval``, K = the drafter's, HF target, fp32) on a
-**validation split**: sessions of the *training* split generated with seed :data:`VAL_SEED`, which
-the drafter's data (seed 1) and the target's (seed 0) did not use. ``report`` prints, per
+**validation split**: the config's ``eval`` section, sessions of the *training* split generated
+with a seed (2) that the drafter's data (seed 1) and the target's (seed 0) did not use. ``report`` prints, per
 candidate: its settings, training seconds per stage (the budget is the sum over candidates),
 optimizer steps, the validation tau overall and per kind, and per-position acceptance.
 
 Results accumulate in ``runs/search/results.jsonl``; ``report --out`` writes ``search.json`` and
-``README.md`` there.
+``table.md`` there.
 """
 
 from __future__ import annotations
@@ -38,29 +38,33 @@ SEQUENCES = ROOT / "base" / "data" / "sequences.jsonl"  # `--only-data --work-di
 FEATURES = ROOT / "features"
 RESULTS = ROOT / "results.jsonl"
 CONFIG = "configs/dlite-tiny.yaml"
-VAL_SEED = 2
-VAL_KINDS = {"agentic": 4, "code": 24, "chat": 24}  # sessions per kind (agentic: ~8 turns each)
-VAL_SETS = [
-    "eval.workloads=[]", f"eval.kinds={json.dumps(VAL_KINDS)}", "eval.split=train",
-    f"eval.seed={VAL_SEED}", "eval.max_requests_per_kind=24", "eval.max_new_tokens=128",
-    "eval.max_prompt_tokens=8192",
-]
+
+
+def validation() -> dict:
+    """The validation split, from the config's ``eval`` section (train-split sessions of a seed the
+    data did not use; ``TrainConfig.validate`` refuses the training seed)."""
+    from vllm_dlite.train.cli import load_config_file
+    from vllm_dlite.train.config import TrainConfig
+
+    e = TrainConfig.from_dict(load_config_file(str(REPO / CONFIG))).validate().eval
+    assert e.kinds and e.split == "train" and not e.workloads, f"{CONFIG}: eval is not a validation split"
+    return dict(kinds=e.kinds, split=e.split, seed=e.seed, max_requests_per_kind=e.max_requests_per_kind,
+                max_new_tokens=e.max_new_tokens, max_prompt_tokens=e.max_prompt_tokens)
 
 
 def train_command(name: str, sets: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "vllm_dlite.train", "--config", CONFIG,
            "--sequences", str(SEQUENCES), "--set", f"data.features_dir={FEATURES}",
            "--out", str(ROOT / name / "model"), "--work-dir", str(ROOT / name)]
-    for item in VAL_SETS + sets:
+    for item in sets:
         cmd += ["--set", item]
     return cmd
 
 
-def record(name: str, sets: list[str], report_path: Path) -> dict:
-    rep = json.loads(report_path.read_text())
-    ev = rep["offline_eval"]
-    row = dict(
-        name=name, sets=sets, drafter=str(report_path.parent.relative_to(REPO)),
+def row_of(name: str, sets: list[str], drafter: str, rep: dict, ev: dict) -> dict:
+    """One results.jsonl row: a drafter's training report and its validation estimate."""
+    return dict(
+        name=name, sets=sets, drafter=drafter,
         train_s={s: v["wall_s"] for s, v in rep.get("stages", {}).items()},
         steps={s: v["steps"] for s, v in rep.get("stages", {}).items()},
         epochs=rep["config"]["epochs"], parameters=rep["model"]["drafter_parameters"],
@@ -68,6 +72,9 @@ def record(name: str, sets: list[str], report_path: Path) -> dict:
         val_acceptance=ev["overall"]["acceptance_rate_per_position"],
         val_requests=ev["overall"]["requests"], final_train_metrics=rep.get("final_metrics"),
     )
+
+
+def record(row: dict) -> dict:
     with RESULTS.open("a") as f:
         f.write(json.dumps(row) + "\n")
     return row
@@ -100,7 +107,9 @@ def cmd_run(args: argparse.Namespace) -> None:
             if proc.returncode:
                 print(f"[search] {name} FAILED (exit {proc.returncode}): {ROOT / name / 'train.log'}")
                 continue
-            row = record(name, sets, ROOT / name / "model" / "training_report.json")
+            rep = json.loads((ROOT / name / "model" / "training_report.json").read_text())
+            row = record(row_of(name, sets, str((ROOT / name / "model").relative_to(REPO)), rep,
+                                rep["offline_eval"]))
             print(f"[search] done {name}: val tau {row['val_tau']} {row['val_tau_by_kind']} "
                   f"train {sum(row['train_s'].values()):.0f} s", flush=True)
 
@@ -112,26 +121,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for item in args.drafters:
         name, path = item.split("=", 1)
         ev = evaluate(target=str(REPO / "models" / "qwen3-tiny-stdlib"), drafter=path,
-                      kinds=VAL_KINDS, split="train", seed=VAL_SEED, max_requests_per_kind=24,
-                      max_new_tokens=128, max_prompt_tokens=8192, check_lossless=False,
-                      dtype="float32", progress=False)
+                      check_lossless=False, dtype="float32", progress=False, **validation())
         rep = json.loads((Path(path) / "training_report.json").read_text())
-        row = dict(
-            name=name, sets=["(trained earlier on its own regeneration of the same recipe)"],
-            drafter=path, train_s={s: v["wall_s"] for s, v in rep["stages"].items()},
-            steps={s: v["steps"] for s, v in rep["stages"].items()}, epochs=rep["config"]["epochs"],
-            parameters=rep["model"]["drafter_parameters"], val_tau=ev["overall"]["tau"],
-            val_tau_by_kind={k: v["tau"] for k, v in ev["per_kind"].items()},
-            val_acceptance=ev["overall"]["acceptance_rate_per_position"],
-            val_requests=ev["overall"]["requests"], final_train_metrics=rep.get("final_metrics"))
-        with RESULTS.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        row = record(row_of(name, ["(trained earlier on its own regeneration of the same recipe)"],
+                            path, rep, ev))
         print(f"[search] {name}: val tau {row['val_tau']} {row['val_tau_by_kind']}")
 
 
 def cmd_overlap(args: argparse.Namespace) -> None:
     """How far the validation split is from the training data: validation prompts that are also a
-    training prompt, and validation replies (greedy, the target's) that occur in the training data."""
+    training prompt, and session ids the two share."""
     from transformers import AutoTokenizer
 
     from vllm_dlite.train.offline_eval import load_requests
@@ -140,10 +139,12 @@ def cmd_overlap(args: argparse.Namespace) -> None:
     train = [json.loads(line) for line in SEQUENCES.read_text().splitlines() if line.strip()]
     prompts = {tuple(t["token_ids"][:t["prompt_len"]]) for t in train}
     sessions = {t["session_id"] for t in train}
-    val = load_requests(tok, (), VAL_KINDS, "train", VAL_SEED, 8192, 24)
+    v = validation()
+    val = load_requests(tok, (), v["kinds"], v["split"], v["seed"], v["max_prompt_tokens"],
+                        v["max_requests_per_kind"])
     same = sum(tuple(r.prompt_token_ids) in prompts for r in val)
     shared_ids = sum(r.session_id in sessions for r in val)
-    print(f"validation requests {len(val)} (split train, seed {VAL_SEED}); training sequences "
+    print(f"validation requests {len(val)} (split train, seed {v['seed']}); training sequences "
           f"{len(train)}: identical prompts {same}, shared session ids {shared_ids}")
 
 
@@ -180,8 +181,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "search.json").write_text(json.dumps(dict(rows=rows, train_s_total=budget,
-                                                         val_kinds=VAL_KINDS, val_seed=VAL_SEED),
-                                                    indent=1) + "\n")
+                                                         validation=validation()), indent=1) + "\n")
         (out / "table.md").write_text("\n".join(lines) + "\n")
 
 
