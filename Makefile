@@ -20,6 +20,8 @@ workloads: setup               ## regenerate the shipped held-out workload files
 	for k in agentic:24 code:64 chat:64; do \
 	  $(PY) -m vllm_dlite.train.workloads.generator --kind $${k%%:*} --split heldout -n $${k##*:} --seed 1 \
 	    --out benchmarks/workloads/heldout_$${k%%:*}.jsonl; done
+	$(PY) -m vllm_dlite.train.workloads.generator --kind code --context file --split heldout -n 30 --seed 1 \
+	  --out benchmarks/workloads/heldout_code_long_file.jsonl
 
 target: setup                  ## retrain the tiny target on this machine (~50 min + 50 min on 2 cores; the shipped one: scripts/gpu_session.sh)
 	$(PY) -m lab.target.train --out models/qwen3-tiny-stdlib

@@ -112,3 +112,26 @@ def test_replay_one_request_per_assistant_turn(tok, heldout_agentic, tmp_path):
     assert all(len(a.prompt_token_ids) < len(b.prompt_token_ids) for a, b in zip(mine, mine[1:]))
     text = tok.decode(mine[1].prompt_token_ids)
     assert text.endswith("<|im_start|>assistant\n") and "<tool_response>" in text
+
+
+def test_code_with_the_whole_file_before_the_body():
+    sessions = generator.generate("code", "heldout", 6, seed=1, context="file")
+    assert json.dumps(sessions) == json.dumps(generator.generate("code", "heldout", 6, seed=1, context="file"))
+    classes = set()
+    for s in sessions:
+        prompt, body = s["messages"][0]["content"], s["messages"][1]["content"]
+        path = prompt.split("`")[3]
+        source = prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        assert generator.read_text(path).startswith(source + "\n")  # from line 1 up to the body
+        assert body.removeprefix("```python\n").removesuffix("\n```") not in prompt
+        classes.add(next(i for i, (lo, hi) in enumerate(generator.FILE_CONTEXT_CHARS) if lo <= len(source) < hi))
+    assert classes == {0, 1, 2}
+    assert len({s["messages"][0]["content"] for s in sessions}) == len(sessions)
+    with pytest.raises(ValueError, match="for kind 'code' only"):
+        generator.generate("chat", "heldout", 1, context="file")
+
+
+def test_shipped_long_file_code_is_reproducible():
+    shipped = list(read_sessions(str(WORKLOADS / "heldout_code_long_file.jsonl")))
+    fresh = generator.generate("code", "heldout", 3, seed=1, context="file")
+    assert json.dumps(shipped[:3]) == json.dumps(fresh), "run `make workloads`"

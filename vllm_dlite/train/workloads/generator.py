@@ -13,7 +13,10 @@ Kinds:
   have >= 10 assistant turns; contexts grow from ~1k tokens to >= ~9k (60% of sessions), ~18-22k
   (about 20%) or ~22-29k tokens (about 20%: long agent sessions fill a 32k window); assistant
   turns are short.
-* ``code``: complete a function body given the preceding source of its file.
+* ``code``: complete a function body given the preceding source of its file: 30-80 lines, or with
+  ``context="file"`` everything before the body (``heldout_code_long_file.jsonl``: replies that are
+  not copies of a prompt of up to ~28k tokens; the length class is a stable hash of the id, so prompts
+  spread over ``FILE_CONTEXT_CHARS``).
 * ``chat``: short one- or two-turn questions answered from stdlib docstrings.
 """
 
@@ -332,16 +335,25 @@ def agentic_session(rng: random.Random, sid: str, path: str, long: bool) -> dict
     return sb.session()
 
 
-def code_session(rng: random.Random, sid: str, path: str) -> dict | None:
+# Characters of source before the body for ``context="file"``: ~0.5-2k, 2-8k and 8-28k tokens
+# (~4.5 characters a token on stdlib code), so that the prompts cover every bucket of benchmarks/ab.py.
+FILE_CONTEXT_CHARS = ((2_500, 9_000), (9_000, 36_000), (36_000, 125_000))
+
+
+def code_session(rng: random.Random, sid: str, path: str, context: str = "lines") -> dict | None:
     funcs = [f for f in functions_of(path) if 3 <= f.end_lineno - f.body_lineno + 1 <= 30]
+    lines = read_text(path).splitlines()
+    if context == "file":  # keep the functions whose preceding source falls in this id's class
+        lo, hi = FILE_CONTEXT_CHARS[int(hashlib.sha256(sid.encode()).hexdigest(), 16) % 3]
+        funcs = [f for f in funcs if lo <= len("\n".join(lines[: f.body_lineno - 1])) < hi]
     if not funcs:
         return None
     fn = rng.choice(funcs)
-    lines = read_text(path).splitlines()
-    context = "\n".join(lines[max(0, fn.body_lineno - 1 - rng.randint(30, 80)): fn.body_lineno - 1])
+    first = 0 if context == "file" else max(0, fn.body_lineno - 1 - rng.randint(30, 80))
+    context_src = "\n".join(lines[first: fn.body_lineno - 1])
     body = "\n".join(lines[fn.body_lineno - 1: fn.end_lineno])
     prompt = (f"Complete the body of `{fn.qualname}` in `{path}`. Reply with the body only.\n\n"
-              f"```python\n{context}\n```")
+              f"```python\n{context_src}\n```")
     sb = SessionBuilder(sid, "code", [])
     sb.add("user", prompt)
     sb.add("assistant", f"```python\n{body}\n```")
@@ -370,13 +382,21 @@ def chat_session(rng: random.Random, sid: str, path: str) -> dict | None:
 BUILDERS = {"agentic": agentic_session, "code": code_session, "chat": chat_session}
 
 
-def generate(kind: str, split: str, n: int, seed: int = 0) -> list[dict]:
-    """Return ``n`` sessions of ``kind`` drawn from files of ``split`` (deterministic)."""
+CODE_CONTEXTS = ("lines", "file")
+
+
+def generate(kind: str, split: str, n: int, seed: int = 0, context: str = "lines") -> list[dict]:
+    """Return ``n`` sessions of ``kind`` drawn from files of ``split`` (deterministic);
+    ``context`` (code only): "lines" (30-80 lines before the body) or "file" (all of them)."""
     if kind not in BUILDERS:
         raise ValueError(f"kind must be one of {sorted(BUILDERS)}, got {kind!r}")
-    rng = random.Random(f"{seed}:{kind}:{split}")
+    if context not in CODE_CONTEXTS or (context != "lines" and kind != "code"):
+        raise ValueError(f"context must be one of {CODE_CONTEXTS} and is for kind 'code' only, "
+                         f"got kind {kind!r}, context {context!r}")
+    rng = random.Random(f"{seed}:{kind}:{split}" + ("" if context == "lines" else f":{context}"))
     files = files_of_split(split)
     sessions: list[dict] = []
+    seen: set[str] = set()  # context="file" draws long files often: one session per prompt
     attempts = 0
     while len(sessions) < n and attempts < 50 * n:
         attempts += 1
@@ -385,8 +405,14 @@ def generate(kind: str, split: str, n: int, seed: int = 0) -> list[dict]:
         if kind == "agentic":
             long = rng.random() < 0.4  # long sessions reach ~18-22k or ~22-29k tokens of context
             s = agentic_session(rng, sid, path, long=long)
+        elif kind == "code":
+            s = code_session(rng, sid, path, context=context)
         else:
             s = BUILDERS[kind](rng, sid, path)
+        if s is not None and context == "file":
+            if s["messages"][0]["content"] in seen:
+                continue
+            seen.add(s["messages"][0]["content"])
         if s is not None:
             sessions.append(s)
     if len(sessions) < n:
@@ -404,10 +430,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--split", choices=SPLITS, required=True)
     ap.add_argument("-n", type=int, required=True, help="number of sessions")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--context", choices=CODE_CONTEXTS, default="lines",
+                    help="code only: 30-80 lines before the body, or the whole file before it")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    n = write_sessions(args.out, generate(args.kind, args.split, args.n, args.seed))
+    n = write_sessions(args.out, generate(args.kind, args.split, args.n, args.seed, args.context))
     print(f"wrote {n} {args.kind} sessions ({args.split}) to {args.out}")
 
 
