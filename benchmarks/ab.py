@@ -146,6 +146,22 @@ def tau_by_prompt_tokens(records: list[dict]) -> dict:
     return out
 
 
+def per_request_rounds(draft_rounds: list) -> list[list[list[int]]]:
+    """Concurrency 1, V1: per request (in the order the engine ran them), its verifications in
+    order, each ``[drafted, accepted]`` (draft tokens the step verified, how many of them were
+    accepted; ``[0, 0]``: a decoding step without drafts), from ``DraftTimer``'s rounds: a round
+    that follows a decoding step records it. The reply grows by ``accepted + 1`` per step, from the
+    one token of the prefill."""
+    out: dict[str, list[list[int]]] = {}
+    for d in draft_rounds:
+        if len(d) < 8 or not d[6]:
+            return []  # V2, or records from before DraftRound had these fields
+        rounds = out.setdefault(d[6][0], [])
+        if d[4]:
+            rounds.append([d[7][0], d[5][0] - 1])
+    return list(out.values())
+
+
 def per_request_tau(records: list[dict]) -> list[list[int]]:
     """``[prompt_tokens, drafts, accepted]`` per request (the scatter in ``tau_by_prompt_tokens.png``)."""
     return [[r["prompt_tokens"], sum(r["histogram"]), sum(j * c for j, c in enumerate(r["histogram"]))]
@@ -214,6 +230,7 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
                 "after_prefill_rounds": len(rounds) - len(steady),
             }
     points = per_request_tau(request_spec)
+    rounds = per_request_rounds(draft_rounds) if min(args.concurrency) == 1 else []
     return {
         "status": "ok", **{k: v for k, v in first.items() if k != "method"},
         "by_concurrency": {str(c): {k: res["summary"][k] for k in ("tau", "output_tokens_per_s", "mean_itl_ms",
@@ -225,6 +242,11 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
         "per_request_matches_counters": [sum(p[1] for p in points), sum(p[2] for p in points)]
         == [first["num_drafts"], first["accepted_tokens"]],
         "per_request_tau": points,
+        # concurrency 1, V1: each request's verifications in order, [drafted, accepted]
+        **({"per_request_rounds": rounds,
+            "per_request_rounds_match_histograms": [[sum(d > 0 for d, _ in r), sum(a for _, a in r)]
+                                                    for r in rounds] == [p[1:] for p in points]}
+           if rounds else {}),
         **({"drafting_by_concurrency": drafting} if drafting else {}),
         "_outputs": {c: res["outputs"] for c, res in per_concurrency.items()},
     }

@@ -127,3 +127,27 @@ def test_method_at_k_names_a_fixed_k_variant_and_bad_ones_fail_before_any_engine
         with pytest.raises(SystemExit):
             ab.main(["--workload", str(workload), "--out", str(tmp_path / "o"), "--methods", methods])
         assert message in capsys.readouterr().err, methods
+
+
+def test_per_request_rounds_from_draft_timer_records():
+    # DraftRound fields: seconds, drafter_seconds, n, context, verifying, sampled, req_ids, drafted
+    recs = [
+        [0.1, 0.1, 1, 900, False, [0], ["a"], [0]],    # partial prefill chunk of a
+        [0.1, 0.1, 1, 1000, False, [1], ["a"], [0]],   # last chunk: a's first token
+        [0.1, 0.1, 1, 1003, True, [4], ["a"], [7]],    # a's first verification: 3 of 7 accepted
+        [0.1, 0.1, 1, 1004, True, [1], ["a"], [0]],    # a decoding step without drafts
+        [0.1, 0.1, 1, 50, False, [1], ["b"], [0]],     # b's prefill
+        [0.1, 0.1, 1, 58, True, [8], ["b"], [7]],      # all 7 accepted
+    ]
+    assert ab.per_request_rounds(recs) == [[[7, 3], [0, 0]], [[7, 7]]]
+    assert ab.per_request_rounds([r[:5] for r in recs]) == []  # V2 / older records: not known
+
+
+def test_sampled_counts_read_both_forms_of_the_runners_sampled_tokens():
+    import torch
+
+    from lab.harness.replay import sampled_counts
+
+    assert sampled_counts([[5, 6, 7], [], [9]], 3) == (3, 0, 1)  # lists of valid ids (after bookkeeping)
+    padded = torch.tensor([[5, 6, -1, -1], [7, 8, 9, 10], [1, -1, -1, -1]])  # rejection sampler, -1 padded
+    assert sampled_counts(padded, 2) == (2, 4)

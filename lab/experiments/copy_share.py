@@ -16,20 +16,28 @@ Terms:
 * ``copy share``: copied positions / reply tokens, over a prompt bucket's requests.
 * per-request tau (from the A/B's ``per_request_tau``: vLLM's per-request acceptance histograms,
   concurrency 1): ``1 + accepted / drafts`` of that request.
+* ``reference match``: how close the target's reply is to what the session's author wrote
+  (``difflib`` ratio of the reply's tokens against as many tokens of the reference turn, rendered
+  with the chat template). It says whether the target still does the task at that prompt length.
 
 Inputs: an ``ab.py`` result folder (``results.json``: settings and per-request tau per method;
 ``outputs.json``: each method's greedy outputs by concurrency, identical to no speculation's). The prompts are
 rebuilt exactly as ``ab.py`` selected them (same workload, ``--max-prompt-tokens``,
 ``--max-requests``) and checked against the recorded prompt lengths.
 
-What it cannot say: vLLM records acceptance per request, not per position, so acceptance on copied
-against non-copied positions is read from requests with high against low copy share, not token by
-token.
+* token-level acceptance (A/B runs at concurrency 1 on Model Runner V1, whose results hold
+  ``per_request_rounds``: each verification's ``[drafted, accepted]`` in order): the reply grows by
+  ``accepted + 1`` tokens per verification from the prefill's one token, so draft slot ``i`` of a
+  verification that starts at reply position ``p`` proposed position ``p + i``. A slot is *reached*
+  when every slot before it was accepted (slots ``0 .. min(accepted, drafted - 1)``); the
+  acceptance of a class of positions (copied, not copied) = accepted reached slots / reached slots
+  of that class: how often the drafter gets such a token right when it gets the chance.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import statistics
@@ -54,11 +62,13 @@ def bucket_of(tokens: int) -> str:
     return next(name for name, lo, hi in BUCKETS if lo <= tokens < hi)
 
 
-def ab_prompts(settings: dict) -> list[list[int]]:
-    """The prompts ``ab.py`` replayed with these settings (its selection, re-done)."""
+def ab_requests(settings: dict) -> list[tuple[list[int], list[int]]]:
+    """``(prompt, reference reply)`` token ids of the requests ``ab.py`` replayed with these
+    settings (its selection, re-done)."""
     from transformers import AutoTokenizer
 
-    from vllm_dlite.train.workloads.replay import load_replay
+    from vllm_dlite.train.workloads.replay import chat_token_ids, load_replay
+    from vllm_dlite.train.workloads.schema import read_sessions
 
     command = settings["command"]
     limit = int(re.search(r"--max-prompt-tokens (\d+)", command).group(1))
@@ -68,7 +78,54 @@ def ab_prompts(settings: dict) -> list[list[int]]:
     if len(requests) > n:
         step = len(requests) / n
         requests = [requests[int(i * step)] for i in range(n)]
-    return [r.prompt_token_ids for r in requests]
+    sessions = {s["id"]: s for s in read_sessions(str(REPO / settings["workload"]))}
+    out = []
+    for r in requests:
+        s = sessions[r.session_id]
+        full = chat_token_ids(tok, s["messages"][: r.turn + 1], s.get("tools"), add_generation_prompt=False)
+        out.append((r.prompt_token_ids, full[len(r.prompt_token_ids):]))
+    return out
+
+
+def reference_match(reply: list[int], reference: list[int]) -> float:
+    """``difflib`` ratio of the reply against as many tokens of the reference (1.0: the same)."""
+    return difflib.SequenceMatcher(None, reply, reference[: len(reply)], autojunk=False).ratio()
+
+
+def reached_slots(reply_len: int, rounds: list[list[int]]) -> tuple[list[tuple[int, bool]], int]:
+    """``([(reply position, accepted)] of the reached draft slots inside the reply, tokens the
+    verifications account for)`` for one request's ``[[drafted, accepted], ...]``."""
+    p, out = 1, []
+    for drafted, accepted in rounds:
+        out += [(p + i, i < accepted) for i in range(min(accepted + 1, drafted)) if p + i < reply_len]
+        p += accepted + 1
+    return out, p
+
+
+def token_acceptance(methods: dict, replies: list[list[int]], copied: list[list[bool]],
+                     groups: dict[str, list[int]]) -> dict:
+    """Per method and group of requests: acceptance of reached slots on copied and on non-copied
+    reply positions (``{"copied": [accepted, reached], "not_copied": [...]}``)."""
+    out = {}
+    for m, r in methods.items():
+        rounds = r.get("per_request_rounds")
+        if not rounds:
+            continue
+        for i, reply in enumerate(replies):  # the last verification ends the reply
+            _, covered = reached_slots(len(reply), rounds[i])
+            last = rounds[i][-1][1] + 1 if rounds[i] else 0
+            if not covered - last < len(reply) <= covered:
+                raise SystemExit(f"{m}: request {i}'s verifications cover {covered} tokens, its reply {len(reply)}")
+        out[m] = {}
+        for g, idx in groups.items():
+            cell = {"copied": [0, 0], "not_copied": [0, 0]}
+            for i in idx:
+                for pos, ok in reached_slots(len(replies[i]), rounds[i])[0]:
+                    c = cell["copied" if copied[i][pos] else "not_copied"]
+                    c[0] += ok
+                    c[1] += 1
+            out[m][g] = cell
+    return out
 
 
 def main() -> None:
@@ -79,18 +136,24 @@ def main() -> None:
 
     results = json.loads((args.ab / "results.json").read_text())
     outputs = json.loads((args.ab / "outputs.json").read_text())
-    prompts = ab_prompts(results["settings"])
+    requests = ab_requests(results["settings"])
+    prompts = [p for p, _ in requests]
     methods = {m: r for m, r in results["methods"].items() if any(d for _, d, _ in r.get("per_request_tau") or ())}
     for m, r in methods.items():
         lengths = [p for p, _, _ in r["per_request_tau"]]
         if lengths != [len(p) for p in prompts]:
             raise SystemExit(f"{m}: the rebuilt prompts do not match the A/B's prompt lengths")
-    replies = outputs["none"]["1"]  # by concurrency: the greedy outputs at concurrency 1
-    per_request = []
-    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+    # the greedy outputs at concurrency 1 (every method's are no speculation's)
+    replies = (outputs.get("none") or next(iter(outputs.values())))["1"]
+    if any(o["1"] != replies for o in outputs.values()):
+        raise SystemExit("the methods' outputs differ: a greedy A/B's must not")
+    per_request, copied_by_request = [], []
+    for i, ((prompt, reference), reply) in enumerate(zip(requests, replies)):
         copied = copied_positions(prompt, reply)
+        copied_by_request.append(copied)
         row = dict(request=i, prompt_tokens=len(prompt), bucket=bucket_of(len(prompt)),
-                   reply_tokens=len(reply), copied=sum(copied))
+                   reply_tokens=len(reply), copied=sum(copied),
+                   reference_match=reference_match(reply, reference))
         for m, r in methods.items():
             _, drafts, accepted = r["per_request_tau"][i]
             row[m] = 1 + accepted / drafts if drafts else None
@@ -101,9 +164,9 @@ def main() -> None:
              f"A reply position is *copied* when the {N} tokens ending there occur in the prompt. "
              "Replies: the target's greedy outputs (identical for every method). "
              "Tau: vLLM's per-request acceptance at concurrency 1.", "",
-             "| prompt tokens | requests | reply tokens | copied | copy share | "
+             "| prompt tokens | requests | reply tokens | copied | copy share | reference match | "
              + " | ".join(f"{m} tau, low / high copy half" for m in methods) + " |",
-             "| --- " * (5 + len(methods)) + "|"]
+             "| --- " * (6 + len(methods)) + "|"]
     summary = {}
     for name, _, _ in BUCKETS:
         rows = [r for r in per_request if r["bucket"] == name]
@@ -112,8 +175,10 @@ def main() -> None:
         reply, copied = sum(r["reply_tokens"] for r in rows), sum(r["copied"] for r in rows)
         rows_by_share = sorted(rows, key=lambda r: r["copied"] / max(r["reply_tokens"], 1))
         low, high = rows_by_share[: len(rows) // 2], rows_by_share[len(rows) // 2:]
+        match = statistics.mean(r["reference_match"] for r in rows)
         cells, summary[name] = [], dict(requests=len(rows), reply_tokens=reply, copied=copied,
-                                        copy_share=copied / reply if reply else None)
+                                        copy_share=copied / reply if reply else None,
+                                        reference_match=match)
         for m in methods:
             def mean_tau(group, m=m):
                 taus = [r[m] for r in group if r[m] is not None]
@@ -121,7 +186,8 @@ def main() -> None:
             lo, hi = mean_tau(low), mean_tau(high)
             summary[name][m] = dict(low_copy_tau=lo, high_copy_tau=hi)
             cells.append(f"{lo:.2f} / {hi:.2f}" if lo is not None and hi is not None else "-")
-        lines.append(f"| {name} | {len(rows)} | {reply} | {copied} | {copied / reply:.0%} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {len(rows)} | {reply} | {copied} | {copied / reply:.0%} | {match:.2f} | "
+                     + " | ".join(cells) + " |")
 
     lines += ["", "Per request, by prompt length (tau per method):", "",
               "| prompt tokens | copy share | " + " | ".join(methods) + " |", "| --- " * (2 + len(methods)) + "|"]
@@ -147,6 +213,22 @@ def main() -> None:
         by_length[f"{lo}-{hi}"] = dict(requests=len(idx), copy_share=share, tau=taus)
         lines.append(f"| {lo:,}-{hi:,} | {len(idx)} | {share:.0%} | "
                      + " | ".join(f"{t:.2f}" if t else "-" for t in taus.values()) + " |")
+    groups = {name: [i for i, r in enumerate(per_request) if r["bucket"] == name] for name, _, _ in BUCKETS}
+    groups.update({f"{lo}-{hi}": [i for i, r in enumerate(per_request) if lo < r["prompt_tokens"] <= hi]
+                   for lo, hi in ranges})
+    groups["all"] = list(range(len(per_request)))
+    tokens = token_acceptance(methods, replies, copied_by_request, {g: i for g, i in groups.items() if i})
+    if tokens:
+        lines += ["", "Token level: acceptance of the reached draft slots on copied / non-copied reply positions "
+                  "(accepted / reached, in %; reached slots in brackets):", "",
+                  "| prompt tokens | " + " | ".join(f"{m}: copied / not copied" for m in tokens) + " |",
+                  "| --- " * (1 + len(tokens)) + "|"]
+        for g in next(iter(tokens.values())):
+            cells = []
+            for m in tokens:
+                c, n = tokens[m][g]["copied"], tokens[m][g]["not_copied"]
+                cells.append(" / ".join(f"{a / r:.0%} ({r})" if r else "-" for a, r in (c, n)))
+            lines.append(f"| {g} | " + " | ".join(cells) + " |")
     corr = {}
     shares = [r["copied"] / max(r["reply_tokens"], 1) for r in per_request]
     for m in methods:
@@ -159,6 +241,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(dict(ab=str(args.ab), n=N, buckets=summary,
                                                           correlation=corr, by_length=by_length,
+                                                          token_acceptance=tokens,
                                                           per_request=per_request), indent=2))
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -183,7 +183,11 @@ class DraftTimer:
             finally:
                 if propose is not None:
                     del drafter.propose  # back to the class's method
-            records.append(DraftRound(time.perf_counter() - t0, inner[0], n, context, decoding))
+            records.append(DraftRound(time.perf_counter() - t0, inner[0], n, context, decoding,
+                                      sampled_counts(args[1] if len(args) > 1 else kwargs["sampled_token_ids"], n),
+                                      tuple(batch.req_ids[:n]),
+                                      tuple(len(scheduler_output.scheduled_spec_decode_tokens.get(r, ()))
+                                            for r in batch.req_ids[:n])))
             return out
 
         GPUModelRunner.propose_draft_token_ids = timed
@@ -201,6 +205,20 @@ class DraftRound(NamedTuple):
     num_requests: int
     context: int            # longest context in the batch, tokens
     verifying: bool         # every request of the step was decoding (steady state), see is_decode_step
+    # per request of the batch: tokens the target step before this round gave it (after a
+    # verification: accepted drafts + 1; after a prefill chunk: 1, or 0 for a partial chunk on the
+    # list path); empty where not known (V2)
+    sampled: tuple = ()
+    req_ids: tuple = ()
+    drafted: tuple = ()     # per request: draft tokens the step before this round verified
+
+
+def sampled_counts(sampled_token_ids, n: int) -> tuple:
+    """Tokens per request in the runner's ``sampled_token_ids`` (V1): lists of valid ids, or a
+    ``[num_reqs, k + 1]`` tensor padded with the rejection sampler's placeholder -1."""
+    if isinstance(sampled_token_ids, list):
+        return tuple(len(t) for t in sampled_token_ids[:n])
+    return tuple(int(c) for c in (sampled_token_ids[:n] != -1).sum(dim=1).tolist())
 
 
 class EventDraftTimer:
