@@ -70,9 +70,12 @@ def model_card(report: dict[str, Any], dlite: DLiteConfig) -> str:
         f"{loss.get('stable_ce_weight')} * CE + {loss.get('stable_tv_weight')} * |q - p|_1 with p "
         "the target's teacher-forced distribution. Transition: hard switch; the head is "
         "unfrozen at the start of stable (fresh AdamW, LR re-warm-up).",
-        f"- Head initialisation (`model.head_init`): {(cfg.get('model') or {}).get('head_init', 'random')}"
-        " (target_svd: the head of the model trained from scratch starts at the target lm_head's "
-        "rank-r truncated SVD; the authors' initialisation is not published).",
+        (f"- Initialisation: the drafter in `{(cfg.get('model') or {})['init_from']}` "
+         "(`model.init_from`): its weights, trained further by the stages below."
+         if (cfg.get('model') or {}).get('init_from') else
+         f"- Head initialisation (`model.head_init`): {(cfg.get('model') or {}).get('head_init', 'random')}"
+         " (target_svd: the head of the model trained from scratch starts at the target lm_head's "
+         "rank-r truncated SVD; the authors' initialisation is not published)."),
         f"- Optimizer: AdamW lr {(cfg.get('optim') or {}).get('lr')}, warm-up "
         f"{(cfg.get('optim') or {}).get('warmup_ratio')} then cosine to "
         f"{(cfg.get('optim') or {}).get('min_lr_ratio')} x lr, per stage; fp32.",
