@@ -693,3 +693,17 @@ def test_training_features_equal_what_vllm_serves(tmp_path):
             assert errs and min(errs) < 1e-3 * max(1.0, feats[b].abs().max().item()), anchor
             matched += 1
     assert matched >= len(prompts)
+
+
+def test_model_card_of_a_continued_run_names_the_drafter_it_started_from():
+    from vllm_dlite.model import read_checkpoint_config
+    from vllm_dlite.train.model_card import model_card
+
+    shipped = REPO / "models" / "dlite-qwen3-tiny-stdlib"
+    report = json.loads((shipped / "training_report.json").read_text())
+    _, dlite = read_checkpoint_config(shipped)
+    assert "Initialisation: the drafter in `models/dlite-qwen3-tiny-stdlib`" in model_card(report, dlite)
+    report["config"]["model"]["init_from"] = None
+    card = model_card(report, dlite)
+    assert "Head initialisation (`model.head_init`): target_svd" in card
+    assert "Initialisation: the drafter in" not in card
