@@ -702,8 +702,10 @@ def test_model_card_of_a_continued_run_names_the_drafter_it_started_from():
     shipped = REPO / "models" / "dlite-qwen3-tiny-stdlib"
     report = json.loads((shipped / "training_report.json").read_text())
     _, dlite = read_checkpoint_config(shipped)
-    assert "Initialisation: the drafter in `models/dlite-qwen3-tiny-stdlib`" in model_card(report, dlite)
-    report["config"]["model"]["init_from"] = None
     card = model_card(report, dlite)
     assert "Head initialisation (`model.head_init`): target_svd" in card
     assert "Initialisation: the drafter in" not in card
+    report["config"]["model"]["init_from"] = "runs/first/model"
+    card = model_card(report, dlite)
+    assert "Initialisation: the drafter in `runs/first/model` (`model.init_from`)" in card
+    assert "Head initialisation" not in card

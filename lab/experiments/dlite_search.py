@@ -5,6 +5,11 @@
         r128="model.sequential_rank=128" r256="model.sequential_rank=256"
     .venv/bin/python lab/experiments/dlite_search.py eval shipped=models/dlite-qwen3-tiny-stdlib
     .venv/bin/python lab/experiments/dlite_search.py report --out benchmarks/results/dlite-search
+    # the finalists on long agentic turns (the validation split's prompts stop at 8k):
+    .venv/bin/python lab/experiments/dlite_search.py eval --kinds '{"agentic": 12}' \\
+        --max-prompt-tokens 30000 --results runs/search/results-long.jsonl A=runs/search/A/model ...
+    .venv/bin/python lab/experiments/dlite_search.py report --results runs/search/results-long.jsonl \\
+        --out benchmarks/results/dlite-search --name long-agentic
 
 Every candidate is ``python -m vllm_dlite.train --config configs/dlite-tiny.yaml`` plus its
 ``--set`` overrides (space-separated ``key=value``), one thread each, on ONE regenerated data set
@@ -74,8 +79,8 @@ def row_of(name: str, sets: list[str], drafter: str, rep: dict, ev: dict) -> dic
     )
 
 
-def record(row: dict) -> dict:
-    with RESULTS.open("a") as f:
+def record(row: dict, path: Path = RESULTS) -> dict:
+    with path.open("a") as f:
         f.write(json.dumps(row) + "\n")
     return row
 
@@ -115,16 +120,22 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    """Score an existing drafter on the validation split (no training; e.g. the shipped one)."""
+    """Score existing drafters on the validation split (no training; e.g. the shipped one).
+    ``--kinds`` / ``--max-prompt-tokens`` change the split's kinds and prompt cap (e.g. long agentic
+    turns only); such rows go to ``--results``, apart from the search's."""
     from vllm_dlite.train.offline_eval import evaluate
 
+    split = validation()
+    if args.kinds:
+        split["kinds"] = json.loads(args.kinds)
+    if args.max_prompt_tokens:
+        split["max_prompt_tokens"] = args.max_prompt_tokens
     for item in args.drafters:
         name, path = item.split("=", 1)
         ev = evaluate(target=str(REPO / "models" / "qwen3-tiny-stdlib"), drafter=path,
-                      check_lossless=False, dtype="float32", progress=False, **validation())
+                      check_lossless=False, dtype="float32", progress=False, **split)
         rep = json.loads((Path(path) / "training_report.json").read_text())
-        row = record(row_of(name, ["(trained earlier on its own regeneration of the same recipe)"],
-                            path, rep, ev))
+        row = record(dict(row_of(name, [args.note], path, rep, ev), validation=split), Path(args.results))
         print(f"[search] {name}: val tau {row['val_tau']} {row['val_tau_by_kind']}")
 
 
@@ -157,13 +168,14 @@ def cmd_ship(args: argparse.Namespace) -> None:
     shutil.rmtree(dst)
     shutil.copytree(src, dst)
     card = dst / "README.md"
-    card.write_text(card.read_text() + "\n## How this configuration was chosen\n\n" + args.why.strip()
-                    + "\n\n" + table)
+    head = card.read_text().split("\n## How this configuration was chosen\n")[0]  # a shipped card's old one goes
+    extra = "".join("\n" + Path(t).read_text() for t in args.extra_table)
+    card.write_text(head + "\n## How this configuration was chosen\n\n" + args.why.strip() + "\n\n" + table + extra)
     print(f"{src} -> {dst}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(args.results).read_text().splitlines() if line.strip()]
     budget = sum(sum(r["train_s"].values()) for r in rows)
     lines = [
         "| candidate | settings | epochs t/kl/st | train s (t/kl/st) | val tau | agentic | code | chat "
@@ -173,16 +185,21 @@ def cmd_report(args: argparse.Namespace) -> None:
         lines.append(
             f"| {r['name']} | {' '.join(r['sets'])} | {e.get('teacher')}/{e.get('kl')}/{e.get('stable')} "
             f"| {sum(s.values()):.0f} ({'/'.join(f'{v:.0f}' for v in s.values())}) | {r['val_tau']:.3f} "
-            f"| {k.get('agentic', 0):.2f} | {k.get('code', 0):.2f} | {k.get('chat', 0):.2f} "
-            f"| {' '.join(f'{a:.2f}' for a in r['val_acceptance'])} |")
-    lines.append(f"\nTraining time, all candidates: {budget:.0f} s (one thread each).")
+            + "".join(f"| {k[kind]:.2f} " if kind in k else "| - " for kind in ("agentic", "code", "chat"))
+            + f"| {' '.join(f'{a:.2f}' for a in r['val_acceptance'])} |")
+    v = rows[0].get("validation")
+    lines.append(f"\nValidation: {v['kinds']} {v['split']}-split sessions of seed {v['seed']}, prompts <= "
+                 f"{v['max_prompt_tokens']} tokens, {v['max_requests_per_kind']} requests per kind at most."
+                 if v else f"\nTraining time, all candidates: {budget:.0f} s (one thread each).")
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "search.json").write_text(json.dumps(dict(rows=rows, train_s_total=budget,
-                                                         validation=validation()), indent=1) + "\n")
-        (out / "table.md").write_text("\n".join(lines) + "\n")
+        stem = args.name or "search"
+        (out / f"{stem}.json").write_text(json.dumps(dict(rows=rows, train_s_total=budget,
+                                                           validation=rows[0].get("validation") or validation()),
+                                                      indent=1) + "\n")
+        (out / ("table.md" if stem == "search" else f"{stem}.md")).write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -193,14 +210,21 @@ def main() -> None:
     r.add_argument("candidates", nargs="+", metavar='NAME="key=value ..."')
     e = sub.add_parser("eval")
     e.add_argument("drafters", nargs="+", metavar="NAME=PATH")
+    e.add_argument("--note", default="(trained earlier on its own regeneration of the same recipe)")
+    e.add_argument("--kinds", help='JSON, e.g. \'{"agentic": 8}\' (default: the config\'s eval.kinds)')
+    e.add_argument("--max-prompt-tokens", type=int)
+    e.add_argument("--results", default=str(RESULTS))
     sub.add_parser("overlap")
     sh = sub.add_parser("ship")
     sh.add_argument("name")
     sh.add_argument("--dest", default="models/dlite-qwen3-tiny-stdlib")
     sh.add_argument("--table", default="benchmarks/results/dlite-search/table.md")
     sh.add_argument("--why", required=True, help="a paragraph: the budget, the machine, the choice")
+    sh.add_argument("--extra-table", action="append", default=[], help="more tables for the card (e.g. a long eval)")
     p = sub.add_parser("report")
     p.add_argument("--out")
+    p.add_argument("--results", default=str(RESULTS), help="rows to report (e.g. eval --results ...)")
+    p.add_argument("--name", help="file stem under --out (default: search.json and table.md)")
     args = ap.parse_args()
     {"run": cmd_run, "eval": cmd_eval, "overlap": cmd_overlap, "ship": cmd_ship,
      "report": cmd_report}[args.cmd](args)
