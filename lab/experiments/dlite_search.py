@@ -13,7 +13,8 @@
 
 Every candidate is ``python -m vllm_dlite.train --config configs/dlite-tiny.yaml`` plus its
 ``--set`` overrides (space-separated ``key=value``), one thread each, on ONE regenerated data set
-and ONE set of feature files under ``runs/search/`` (so candidates differ only in what they set).
+and ONE set of feature files under ``runs/search/`` (so candidates differ only in what they set;
+``run --data NAME`` trains on another regeneration, see ``data_paths``).
 The first candidate runs alone until it has written the feature files; the rest then share them.
 
 Selection never reads the held-out files. Each trained candidate is scored by the trainer's
@@ -41,6 +42,15 @@ REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / "runs" / "search"
 SEQUENCES = ROOT / "base" / "data" / "sequences.jsonl"  # `--only-data --work-dir runs/search/base`
 FEATURES = ROOT / "features"
+
+
+def data_paths(data: str) -> tuple[Path, Path]:
+    """A regenerated data set's sequences and feature files: ``base`` (data.max_len 4096, the
+    config's), or another ``--only-data --work-dir runs/search/NAME`` regeneration (e.g. ``long``:
+    ``--set data.max_len=32768``, so long agentic turns keep their whole prompt)."""
+    if data == "base":
+        return SEQUENCES, FEATURES
+    return ROOT / data / "data" / "sequences.jsonl", ROOT / f"features-{data}"
 RESULTS = ROOT / "results.jsonl"
 CONFIG = "configs/dlite-tiny.yaml"
 
@@ -57,9 +67,10 @@ def validation() -> dict:
                 max_new_tokens=e.max_new_tokens, max_prompt_tokens=e.max_prompt_tokens)
 
 
-def train_command(name: str, sets: list[str]) -> list[str]:
+def train_command(name: str, sets: list[str], data: str = "base") -> list[str]:
+    sequences, features = data_paths(data)
     cmd = [sys.executable, "-m", "vllm_dlite.train", "--config", CONFIG,
-           "--sequences", str(SEQUENCES), "--set", f"data.features_dir={FEATURES}",
+           "--sequences", str(sequences), "--set", f"data.features_dir={features}",
            "--out", str(ROOT / name / "model"), "--work-dir", str(ROOT / name)]
     for item in sets:
         cmd += ["--set", item]
@@ -86,10 +97,13 @@ def record(row: dict, path: Path = RESULTS) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    if not Path(str(SEQUENCES) + ".meta.json").exists():  # written when the regeneration completes
-        sys.exit(f"{SEQUENCES} missing: run `python -m vllm_dlite.train --config {CONFIG} "
-                 "--work-dir runs/search/base --only-data` first")
+    sequences, _ = data_paths(args.data)
+    if not Path(str(sequences) + ".meta.json").exists():  # written when the regeneration completes
+        sys.exit(f"{sequences} missing: run `python -m vllm_dlite.train --config {CONFIG} "
+                 f"--work-dir runs/search/{args.data} --only-data` first")
     todo = [(c.split("=", 1)[0], c.split("=", 1)[1].split()) for c in args.candidates]
+    if args.data != "base":  # the data set is part of what a candidate sets
+        todo = [(name, [f"data={args.data}"] + sets) for name, sets in todo]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     running: list[tuple[str, list[str], subprocess.Popen]] = []
     while todo or running:
@@ -101,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> None:
             log = open(ROOT / name / "train.log", "a")
             print(f"[search] start {name}: {' '.join(sets)}", flush=True)
             running.append((name, sets, subprocess.Popen(
-                train_command(name, sets), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)))
+                train_command(name, [s for s in sets if not s.startswith("data=")], args.data), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)))
             features_ready = False  # wait for this one to reach training before the next
         time.sleep(10)
         for item in list(running):
@@ -207,6 +221,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--jobs", type=int, default=2)
+    r.add_argument("--data", default="base", help="regenerated data set under runs/search/ (default base)")
     r.add_argument("candidates", nargs="+", metavar='NAME="key=value ..."')
     e = sub.add_parser("eval")
     e.add_argument("drafters", nargs="+", metavar="NAME=PATH")
