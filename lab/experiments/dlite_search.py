@@ -10,6 +10,8 @@
         --max-prompt-tokens 30000 --results runs/search/results-long.jsonl A=runs/search/A/model ...
     .venv/bin/python lab/experiments/dlite_search.py report --results runs/search/results-long.jsonl \\
         --out benchmarks/results/dlite-search --name long-agentic
+    # which training replies change when the target reads the whole prompt (data.max_len 32768):
+    .venv/bin/python lab/experiments/dlite_search.py compare-data base long
 
 Every candidate is ``python -m vllm_dlite.train --config configs/dlite-tiny.yaml`` plus its
 ``--set`` overrides (space-separated ``key=value``), one thread each, on ONE regenerated data set
@@ -173,6 +175,34 @@ def cmd_overlap(args: argparse.Namespace) -> None:
           f"{len(train)}: identical prompts {same}, shared session ids {shared_ids}")
 
 
+def cmd_compare_data(args: argparse.Namespace) -> None:
+    """Two regenerations of the same sessions (e.g. ``base`` at data.max_len 4096 and ``long`` at
+    32768): which training replies change when the target reads the whole prompt."""
+    def load(data: str) -> dict:
+        path = data_paths(data)[0]
+        return {r["id"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+
+    def reply(r: dict) -> list:
+        return r["token_ids"][r["prompt_len"]:]
+
+    a, b = load(args.a), load(args.b)
+    tokens = sum(len(reply(r)) for r in a.values())
+    longer = [k for k in a if k in b and len(b[k]["token_ids"]) > len(a[k]["token_ids"])]
+    changed = [k for k in longer if reply(a[k]) != reply(b[k])]
+    changed_tokens = sum(len(reply(a[k])) for k in changed)
+    kinds = {kind: sum(a[k]["kind"] == kind for k in changed) for kind in sorted({r["kind"] for r in a.values()})}
+    print(f"{args.a}: {len(a)} sequences, {tokens} reply tokens, longest {max(len(r['token_ids']) for r in a.values())}; "
+          f"{args.b}: {len(b)} sequences, longest {max(len(r['token_ids']) for r in b.values())}")
+    print(f"sequences longer in {args.b}: {len(longer)}; their reply differs: {len(changed)} {kinds}, "
+          f"{changed_tokens} of {args.a}'s {tokens} reply tokens ({changed_tokens / tokens:.1%}); "
+          f"other sequences with a different reply: "
+          f"{sum(reply(a[k]) != reply(b[k]) for k in a if k in b and k not in longer)}")
+    for kind in sorted({r["kind"] for r in a.values()}):
+        total = sum(len(reply(r)) for r in a.values() if r["kind"] == kind)
+        part = sum(len(reply(a[k])) for k in changed if a[k]["kind"] == kind)
+        print(f"  {kind}: {part} of {total} reply tokens change ({part / total:.1%})")
+
+
 def cmd_ship(args: argparse.Namespace) -> None:
     """Replace the shipped drafter with a candidate's checkpoint; its model card gets the search."""
     import shutil
@@ -230,6 +260,9 @@ def main() -> None:
     e.add_argument("--max-prompt-tokens", type=int)
     e.add_argument("--results", default=str(RESULTS))
     sub.add_parser("overlap")
+    c = sub.add_parser("compare-data")
+    c.add_argument("a", help="a data set under runs/search/ (e.g. base)")
+    c.add_argument("b", help="another regeneration of the same sessions (e.g. long)")
     sh = sub.add_parser("ship")
     sh.add_argument("name")
     sh.add_argument("--dest", default="models/dlite-qwen3-tiny-stdlib")
@@ -241,7 +274,7 @@ def main() -> None:
     p.add_argument("--results", default=str(RESULTS), help="rows to report (e.g. eval --results ...)")
     p.add_argument("--name", help="file stem under --out (default: search.json and table.md)")
     args = ap.parse_args()
-    {"run": cmd_run, "eval": cmd_eval, "overlap": cmd_overlap, "ship": cmd_ship,
+    {"run": cmd_run, "eval": cmd_eval, "overlap": cmd_overlap, "compare-data": cmd_compare_data, "ship": cmd_ship,
      "report": cmd_report}[args.cmd](args)
 
 
