@@ -709,3 +709,41 @@ def test_model_card_of_a_continued_run_names_the_drafter_it_started_from():
     card = model_card(report, dlite)
     assert "Initialisation: the drafter in `runs/first/model` (`model.init_from`)" in card
     assert "Head initialisation" not in card
+
+
+def test_feature_files_skip_what_another_worker_wrote_meanwhile(target_dir, sequences_file, tmp_path,
+                                                                monkeypatch):
+    """Two processes may extract into one features directory (e.g. one in reverse order): a file
+    that appears after this worker listed its work is not computed again, and the files it does
+    write equal a single worker's."""
+    from vllm_dlite.train import feature_files
+    from vllm_dlite.train.config import TrainConfig
+    from vllm_dlite.train.distributed import DistInfo
+
+    cfg = TrainConfig.from_dict(train_config(target_dir, sequences_file, tmp_path))
+    cfg.data.features_dtype = "float32"
+    store = SequenceStore.open(sequences_file, 64)
+    indices, layer_ids = list(range(len(store))), [1, N_LAYERS]
+    one = feature_files.write_feature_files(cfg, tmp_path / "one", store, indices, layer_ids,
+                                            DistInfo())
+    assert one is not None
+
+    calls = []
+    real = feature_files.TargetFeatureExtractor.__call__
+
+    def other_worker_writes_the_last_file(self, ids, *a, **k):
+        calls.append(len(ids))
+        last = feature_files.hs_file_path(tmp_path / "two" / "hidden_states", indices[-1])
+        if not last.exists():  # "another worker" finishes the last sequence meanwhile
+            src = feature_files.hs_file_path(tmp_path / "one" / "hidden_states", indices[-1])
+            last.write_bytes(src.read_bytes())
+        return real(self, ids, *a, **k)
+
+    monkeypatch.setattr(feature_files.TargetFeatureExtractor, "__call__", other_worker_writes_the_last_file)
+    feature_files.write_feature_files(cfg, tmp_path / "two", store, indices, layer_ids, DistInfo())
+    assert len(calls) == len(indices) - 1
+    for i in indices:
+        a = read_hs_file(feature_files.hs_file_path(tmp_path / "one" / "hidden_states", i))
+        b = read_hs_file(feature_files.hs_file_path(tmp_path / "two" / "hidden_states", i))
+        assert a.row_start == b.row_start and torch.equal(a.features, b.features)
+    assert not list((tmp_path / "two" / "hidden_states").glob("*.tmp"))

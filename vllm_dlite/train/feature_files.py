@@ -44,7 +44,9 @@ def write_feature_files(cfg: TrainConfig, features_dir: Path, store: SequenceSto
                         log: Callable[[str], None] = print) -> Optional[float]:
     """Write this rank's share (``indices[rank::world_size]``) of the missing ``hs_i`` files of
     ``features_dir``, rows :func:`first_stored_row` .. T-1 of the target layers ``layer_ids``
-    (vLLM aux ids). Collective. Returns the wall seconds when this rank wrote any, else None."""
+    (vLLM aux ids). Collective. A file that appears while this runs (another process extracting
+    into the same directory, e.g. in the other order) is skipped. Returns the wall seconds when
+    this rank wrote any, else None."""
     hs_dir = features_dir / HS_DIRNAME
     source = dict(sequences=store.fingerprint(), layer_ids=layer_ids,
                   dtype=cfg.data.features_dtype, target=str(Path(cfg.target.path).resolve()),
@@ -79,6 +81,8 @@ def write_feature_files(cfg: TrainConfig, features_dir: Path, store: SequenceSto
 
             iterator = tqdm(todo, desc="target features", unit="seq", dynamic_ncols=True)
         for i in iterator:
+            if hs_file_path(hs_dir, i).exists():  # another worker on the same directory wrote it
+                continue
             ids = torch.from_numpy(store.token_ids(i).astype(np.int64))
             start = first_stored_row(store.response_start(i), cfg.model.teacher_window)
             feats = extractor(ids).features[0, start:]

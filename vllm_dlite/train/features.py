@@ -31,6 +31,7 @@ turns id-N rows into ``p^T`` when features come from files.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -368,7 +369,7 @@ def write_hs_file(
         raise ValueError(f"features have {features.shape[1]} layers but layer_ids={layer_ids}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per writer process
     save_file(
         {"hidden_states": features.detach().cpu().contiguous(), "token_ids": token_ids},
         str(tmp),
