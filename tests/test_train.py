@@ -702,6 +702,7 @@ def test_model_card_of_a_continued_run_names_the_drafter_it_started_from():
     shipped = REPO / "models" / "dlite-qwen3-tiny-stdlib"
     report = json.loads((shipped / "training_report.json").read_text())
     _, dlite = read_checkpoint_config(shipped)
+    report["config"]["model"]["init_from"] = None  # the shipped drafter continued one: undo it
     card = model_card(report, dlite)
     assert "Head initialisation (`model.head_init`): target_svd" in card
     assert "Initialisation: the drafter in" not in card
