@@ -31,7 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-BUCKETS = (("0-2k", 0, 2048), ("2k-8k", 2048, 8192), ("8k-32k", 8192, 1 << 30))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from lab.experiments.copy_share import BUCKETS  # noqa: E402  (the A/B's prompt buckets)
 
 
 def load(folder: Path) -> dict:
@@ -48,19 +51,19 @@ def per_request(result: dict, method: str) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64)
 
 
-def tau(rows: np.ndarray) -> float:
-    return 1.0 + rows[:, 2].sum() / max(rows[:, 1].sum(), 1)
+def tau(rows: np.ndarray) -> np.ndarray:
+    """Pooled tau of ``rows [..., n, 3]`` over its requests axis: a scalar for ``[n, 3]``,
+    one per draw for ``[draws, n, 3]``."""
+    return 1.0 + rows[..., 2].sum(-1) / np.maximum(rows[..., 1].sum(-1), 1)
 
 
 def compare(a: np.ndarray, b: np.ndarray, samples: int, rng: np.random.Generator) -> dict:
     """Paired bootstrap of tau(a) / tau(b) over the rows (same requests in the same order)."""
     n = len(a)
-    idx = rng.integers(0, n, size=(samples, n))
-    ta = 1.0 + a[idx, 2].sum(1) / np.maximum(a[idx, 1].sum(1), 1)
-    tb = 1.0 + b[idx, 2].sum(1) / np.maximum(b[idx, 1].sum(1), 1)
-    ratio = ta / tb
+    idx = rng.integers(0, n, size=(samples, n))  # the same draws for a and b
+    ratio = tau(a[idx]) / tau(b[idx])
     lo, hi = np.percentile(ratio, [2.5, 97.5])
-    return dict(n=n, tau_a=tau(a), tau_b=tau(b), ratio=tau(a) / tau(b), lo=float(lo), hi=float(hi),
+    return dict(n=n, tau_a=float(tau(a)), tau_b=float(tau(b)), ratio=float(tau(a) / tau(b)), lo=float(lo), hi=float(hi),
                 p_a_ge_b=float((ratio >= 1.0).mean()))
 
 
