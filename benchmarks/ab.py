@@ -70,14 +70,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # DraftTimer needs the in-process engine
 
+from buckets import PROMPT_BUCKETS  # noqa: E402  (beside this script)
 from repeats import combine_passes, spread  # noqa: E402  (beside this script)
 from vllm_dlite.vllm.engine import use_cpu_env  # noqa: E402  (after the path)
 
 use_cpu_env(4, threads=1)  # GiB: prompts to 30k tokens fit
 
 CONTEXT_BUCKETS = (1024, 4096, 16384)
-# tau against prompt length: (name, first token count, one past the last), k = 1024
-PROMPT_BUCKETS = (("0-2k", 0, 2048), ("2k-8k", 2048, 8192), ("8k-32k", 8192, 32768))
 MODEL_LEN_MARGIN = 8  # max model len = max prompt tokens + max tokens + K + this
 # --compile (CUDA only): "vllm" = vLLM's default (torch.compile + FULL_AND_PIECEWISE CUDA graphs); "none" =
 # no torch.compile, full CUDA graphs of the uniform decode/verify steps only (an engine starts in seconds)
@@ -117,11 +116,6 @@ def default_drafter(method: str) -> Path:
 
 def context_bucket(tokens: int) -> int:
     return min(CONTEXT_BUCKETS, key=lambda b: abs(math.log(max(tokens, 1) / b)))
-
-
-def prompt_bucket(tokens: int) -> str | None:
-    """The ``PROMPT_BUCKETS`` name holding a prompt of ``tokens`` tokens (None: longer than 32k)."""
-    return next((name for name, lo, hi in PROMPT_BUCKETS if lo <= tokens < hi), None)
 
 
 def tau_by_prompt_tokens(records: list[dict]) -> dict:

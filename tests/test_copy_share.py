@@ -1,6 +1,7 @@
 """The copy definition of lab/experiments/copy_share.py (issue 38's copy-share analysis)."""
 
-from lab.experiments.copy_share import bucket_of, copied_positions
+from benchmarks.buckets import prompt_bucket
+from lab.experiments.copy_share import copied_positions
 
 
 def test_a_reply_position_is_copied_when_the_four_tokens_ending_there_are_in_the_prompt():
@@ -12,8 +13,8 @@ def test_a_reply_position_is_copied_when_the_four_tokens_ending_there_are_in_the
 
 
 def test_prompt_buckets():
-    assert [bucket_of(n) for n in (532, 2047, 2048, 8191, 8192, 28869)] == \
-        ["0-2k", "0-2k", "2k-8k", "2k-8k", "8k-32k", "8k-32k"]
+    assert [prompt_bucket(n) for n in (0, 532, 2047, 2048, 8191, 8192, 28869, 32768)] == \
+        ["0-2k", "0-2k", "0-2k", "2k-8k", "2k-8k", "8k-32k", "8k-32k", None]
 
 
 def test_reached_draft_slots_follow_the_verifications():

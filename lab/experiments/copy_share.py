@@ -47,7 +47,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-BUCKETS = (("0-2k", 0, 2048), ("2k-8k", 2048, 8192), ("8k-32k", 8192, 1 << 30))
+from benchmarks.buckets import PROMPT_BUCKETS, prompt_bucket  # noqa: E402  (after the path)
+
 N = 4  # match length that counts as a copy
 
 
@@ -56,10 +57,6 @@ def copied_positions(prompt: list[int], reply: list[int], n: int = N) -> list[bo
     grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
     ctx = prompt[-(n - 1):] + reply
     return [tuple(ctx[j:j + n]) in grams for j in range(len(reply))]
-
-
-def bucket_of(tokens: int) -> str:
-    return next(name for name, lo, hi in BUCKETS if lo <= tokens < hi)
 
 
 def ab_requests(settings: dict) -> list[tuple[list[int], list[int]]]:
@@ -151,7 +148,7 @@ def main() -> None:
     for i, ((prompt, reference), reply) in enumerate(zip(requests, replies)):
         copied = copied_positions(prompt, reply)
         copied_by_request.append(copied)
-        row = dict(request=i, prompt_tokens=len(prompt), bucket=bucket_of(len(prompt)),
+        row = dict(request=i, prompt_tokens=len(prompt), bucket=prompt_bucket(len(prompt)),
                    reply_tokens=len(reply), copied=sum(copied),
                    reference_match=reference_match(reply, reference))
         for m, r in methods.items():
@@ -168,7 +165,7 @@ def main() -> None:
              + " | ".join(f"{m} tau, low / high copy half" for m in methods) + " |",
              "| --- " * (6 + len(methods)) + "|"]
     summary = {}
-    for name, _, _ in BUCKETS:
+    for name, _, _ in PROMPT_BUCKETS:
         rows = [r for r in per_request if r["bucket"] == name]
         if not rows:
             continue
@@ -213,7 +210,7 @@ def main() -> None:
         by_length[f"{lo}-{hi}"] = dict(requests=len(idx), copy_share=share, tau=taus)
         lines.append(f"| {lo:,}-{hi:,} | {len(idx)} | {share:.0%} | "
                      + " | ".join(f"{t:.2f}" if t else "-" for t in taus.values()) + " |")
-    groups = {name: [i for i, r in enumerate(per_request) if r["bucket"] == name] for name, _, _ in BUCKETS}
+    groups = {name: [i for i, r in enumerate(per_request) if r["bucket"] == name] for name, _, _ in PROMPT_BUCKETS}
     groups.update({f"{lo}-{hi}": [i for i, r in enumerate(per_request) if lo < r["prompt_tokens"] <= hi]
                    for lo, hi in ranges})
     groups["all"] = list(range(len(per_request)))

@@ -53,10 +53,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.buckets import PROMPT_BUCKETS  # noqa: E402  (after the path)
 from vllm_dlite.vllm.adaptive.cost import (  # noqa: E402
     choose_source, expected_from_confidence, tree_before_drafting)
-
-BUCKETS = ((0, 2048, "0-2k"), (2048, 8192, "2k-8k"), (8192, 1 << 30, "8k-32k"))
 
 
 # =========================================================================== the trace
@@ -270,7 +269,7 @@ def evaluate(trace: dict, k: Optional[int] = None) -> dict:
     report = {}
     for name in policies(k):
         rows = {}
-        for lo, hi, label in ((0, 1 << 30, "overall"), *BUCKETS):
+        for label, lo, hi in (("overall", 0, 1 << 30), *PROMPT_BUCKETS):
             reqs = [r for r in trace["requests"] if lo <= r["prompt_tokens"] < hi]
             if not reqs:
                 continue
@@ -363,7 +362,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ("none", 0, False), ("dlite@2", 2, False), ("dlite@4", 4, False),
                 (f"dlite (k {trace['K']})", trace["K"], False), ("dlite-adaptive", 0, True))}}
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
-    labels = [b[2] for b in BUCKETS]
+    labels = [name for name, _, _ in PROMPT_BUCKETS]
     print(f"{'policy':62s} {'tau':>6s} {'emitted':>7s} {'tok/step':>8s}  " + "  ".join(f"{l:>13s}" for l in labels))
     print(f"{'':62s} {'':>6s} {'':>7s} {'':>8s}  " + "  ".join(f"{'tau/tok/step':>13s}" for l in labels))
     for name, rows in report["policies"].items():

@@ -34,7 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from lab.experiments.copy_share import BUCKETS  # noqa: E402  (the A/B's prompt buckets)
+from benchmarks.buckets import PROMPT_BUCKETS  # noqa: E402  (the A/B's prompt buckets)
 
 
 def load(folder: Path) -> dict:
@@ -85,7 +85,7 @@ def main() -> None:
             a, b = per_request(result, a_name), per_request(result, b_name)
             if len(a) != len(b) or not np.array_equal(a[:, 0], b[:, 0]):
                 sys.exit(f"{folder}: {a_name} and {b_name} did not draft for the same requests")
-            for bucket, lo, hi in (("all", 0, 1 << 30),) + BUCKETS:
+            for bucket, lo, hi in (("all", 0, 1 << 30),) + PROMPT_BUCKETS:
                 keep = (a[:, 0] >= lo) & (a[:, 0] < hi)
                 if not keep.any() or (bucket != "all" and keep.all()):
                     continue  # empty, or the same as "all"
