@@ -63,8 +63,8 @@ def test_unknown_runner_name():
 def test_v2_sampler_takes_an_all_nan_logits_row_as_a_gpu_does():
     """V2's profile_run samples from the hidden states of a pass that skips attention (uninitialised
     memory, sometimes all NaN). Compiled Triton returns some token for such a row; the interpreter's
-    ``np.nanargmax`` raised, so whether a V2 engine started here depended on memory (stop 48's CI).
-    The other rows must still be greedy argmax."""
+    ``np.nanargmax`` raised, so whether a V2 engine started here depended on memory. The other rows
+    must still be greedy argmax."""
     code = """
 from lab.harness.runners import use_runner; use_runner('v2')
 import torch

