@@ -6,7 +6,7 @@
 # Its vLLM plugin stays off unless ARCTIC_INFERENCE_ENABLED is set, so nothing else changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=${VENV_PY:-.venv/bin/python}  # scripts/setup_vllm034.sh passes .venv-vllm034's
 VERSION=${VERSION:-0.3.0}
 if [ ! -x "$PY" ]; then
   echo "error: $PY is missing; run make setup first" >&2

@@ -80,3 +80,44 @@ print(out[0].item() == logits[0].argmax().item(), out[2].item() == logits[2].arg
       0 <= out[1].item() < 1500)
 """
     assert _python(code) == ["True", "True", "True"]
+
+
+def test_v2_grammar_bitmask_kernel_masks_logits_as_a_gpu_does():
+    """vLLM's V2 structured-output kernel splats a scalar comparison against a block mask; the
+    interpreter typed comparisons like their operands, so the mask became int32 and ``tl.store``
+    refused it ("mask has unsupported dtype"): every json_schema / regex / tool-call request killed a
+    V2 engine here. Row 0 bans its first 32 tokens (a zero bitmask word), row 1 nothing."""
+    code = """
+from lab.harness.runners import use_runner; use_runner('v2')
+import torch
+from vllm.v1.worker.gpu.structured_outputs import _apply_grammar_bitmask_kernel
+V = 100
+logits = torch.zeros(2, V)
+bitmask = torch.full((2, (V + 31) // 32), -1, dtype=torch.int32)
+bitmask[0, 0] = 0
+cu_num_logits = torch.tensor([0, 1, 2], dtype=torch.int32)
+_apply_grammar_bitmask_kernel[(2, 1)](logits, logits.stride(0), torch.tensor([0, 1], dtype=torch.int32),
+                                      cu_num_logits, bitmask, bitmask.stride(0), V, MASK_STRIDE=1, BLOCK_SIZE=8192)
+banned = logits == float('-inf')
+print(banned[0, :32].all().item(), banned[0, 32:].any().item(), banned[1].any().item())
+"""
+    assert _python(code) == ["True", "False", "False"]
+
+
+def test_v2_top_k_top_p_kernel_runs_as_a_gpu_does():
+    """vLLM's top-k/top-p kernel calls ``.to()`` on its ``tl.range`` loop variable, a tensor when
+    compiled; the interpreter yielded Python ints, so the first ``top_k`` request killed a V2 engine
+    (and vLLM 0.34's engine did not start). Each row keeps exactly its k largest logits."""
+    code = """
+from lab.harness.runners import use_runner; use_runner('v2')
+import torch
+from vllm.v1.sample.ops.topk_topp_triton import apply_top_k_top_p_triton
+torch.manual_seed(0)
+logits = torch.randn(3, 50)
+k = torch.tensor([5, 50, 2], dtype=torch.int32)
+out = apply_top_k_top_p_triton(logits.clone(), k, None)
+kept = out > float('-inf')
+print(kept.sum(1).tolist() == [5, 50, 2],
+      all(set(kept[i].nonzero().flatten().tolist()) == set(logits[i].topk(int(k[i])).indices.tolist()) for i in range(3)))
+"""
+    assert _python(code) == ["True", "True"]

