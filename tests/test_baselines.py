@@ -6,7 +6,6 @@ DFlash and DSpark for a couple of steps, exported checkpoints without the target
 from __future__ import annotations
 
 import json
-import os
 
 import helpers_vllm as H
 import pytest
@@ -228,34 +227,24 @@ def test_exported_checkpoint(tiny, trained, method):
 
 
 @pytest.mark.slow
-def test_vllm_serves_baselines_greedy_identical(tiny, trained):
-    """vLLM 0.32 loads each exported checkpoint unchanged (method eagle3 / dflash, K = 7),
-    drafts with it, and greedy output equals output without speculation (fp32)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    H.apply_vllm_env()
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+def test_vllm_serves_baselines_greedy_identical(tiny, trained, runner):
+    """vLLM loads each exported checkpoint unchanged (method eagle3 / dflash, K = 7), drafts with
+    it, and greedy output equals output without speculation (fp32), on the runner under test: the
+    controls of every DLite engine check."""
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(str(tiny["target"]))
-    prompts = [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)}
-               for p in H.make_prompts(4)]
+    prompts = [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in H.make_prompts(4)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    common = dict(model=str(tiny["target"]), dtype="float32", max_model_len=512, seed=0,
-                  enforce_eager=True)
-
-    llm = LLM(**common)
-    expected = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    del llm
+    expected = H.run_llm(tiny["target"], prompts, params, max_model_len=512, runner=runner)
+    assert expected.runner == runner
     for method in B.SERVABLE_ON_CPU:
-        llm = LLM(**common, disable_log_stats=False,
-                  speculative_config=B.vllm_speculative_config(method, trained[method], K))
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        drafts = sum(m.value for m in llm.get_metrics()
-                     if m.name == "vllm:spec_decode_num_drafts")
-        del llm
-        assert got == expected, method
-        assert drafts > 0, f"{method}: vLLM never drafted"
+        run = H.run_llm(tiny["target"], prompts, params, B.vllm_speculative_config(method, trained[method], K),
+                        max_model_len=512, runner=runner)
+        assert run.runner == runner
+        assert run.token_ids == expected.token_ids, method
+        assert run.metrics["vllm:spec_decode_num_drafts"] > 0, f"{method}: vLLM never drafted"
 
 
 @pytest.mark.parametrize("method", B.SERVABLE_ON_CPU)

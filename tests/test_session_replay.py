@@ -163,7 +163,7 @@ def _dlite_drafter(tmp_path):
 
 
 @pytest.mark.slow
-def test_session_replay_none_and_dlite_identical(tmp_path, monkeypatch):
+def test_session_replay_none_and_dlite_identical(tmp_path, monkeypatch, runner):
     pytest.importorskip("vllm")
     pytest.importorskip("aiohttp")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # 1 GiB: ~87k tokens, plenty for 3 turns under 2k tokens
@@ -172,12 +172,12 @@ def test_session_replay_none_and_dlite_identical(tmp_path, monkeypatch):
     t0 = time.time()
     rc = sr.main(["--methods", "none,dlite", "--concurrency", "1", "--max-sessions", "1", "--max-turns", "3",
                   "--max-tokens", "12", "--enforce-eager", "--parallel-methods", "--dlite", str(drafter),
-                  "--out", str(out)])
+                  "--runner", runner, "--out", str(out)])
     print(f"session replay: {time.time() - t0:.0f} s", file=sys.stderr)
     res = json.loads((out / "results.json").read_text())
     assert rc == 0, (out / "results.md").read_text()
     assert res["settings"]["sessions"] == 1 and res["settings"]["turns"] == 3 and res["settings"]["enforce_eager"]
-    assert res["settings"]["parallel_methods"]
+    assert res["settings"]["parallel_methods"] and res["settings"]["runner"] == runner
     for m in ("none", "dlite"):
         r = res["methods"][m]
         assert r["status"] == "ok", r

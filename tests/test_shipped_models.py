@@ -18,6 +18,8 @@ under load in ``test_serving_faults.py``.
 from __future__ import annotations
 
 
+import os
+
 import pytest
 import torch
 
@@ -73,6 +75,7 @@ def test_vllm_tau_matches_offline_estimator(shipped_requests, shipped_replays):
 
 
 @pytest.mark.slow
+@pytest.mark.v1
 def test_v2_drafts_and_accepts_as_v1(shipped_requests):
     """Greedy: both runners verify the same drafts (the drafter sees the same features and tokens),
     so the draft count, accepted tokens per position and tau are the same on V1 and V2."""
@@ -84,5 +87,40 @@ def test_v2_drafts_and_accepts_as_v1(shipped_requests):
     assert v2["outputs"] == v1["outputs"]
     one, two = v1["summary"], v2["summary"]
     print(f"tau V1 {one['tau']:.4f} ({one['num_drafts']} drafts), V2 {two['tau']:.4f} ({two['num_drafts']} drafts)")
+    assert (two["num_drafts"], two["accepted_tokens"]) == (one["num_drafts"], one["accepted_tokens"])
+    assert two["tau_per_position"] == pytest.approx(one["tau_per_position"], abs=1e-12)
+
+
+@pytest.mark.slow
+def test_tau_equals_that_of_vllm_032_v2(shipped_requests, shipped_replays, runner):
+    """Under vLLM 0.34 (``make test-vllm034``): the shipped drafter makes the same drafts and the
+    target accepts the same tokens as on vLLM 0.32's Model Runner V2 (``.venv``) on the same turns,
+    so the plugin's 0.34 path (the speculator registry and compat's adapters) serves DLite as 0.32's does."""
+    import json
+    import subprocess
+
+    import vllm
+
+    from paths import REPO
+
+    if not vllm.__version__.startswith("0.34") or runner != "v2":
+        pytest.skip("compares vLLM 0.34's V2 against 0.32's (make test-vllm034)")
+    python032 = REPO / ".venv" / "bin" / "python"
+    if not python032.exists():
+        pytest.skip("no .venv (vLLM 0.32): make setup")
+    code = ("import json, sys; sys.path[:0] = ['tests', '.']\n"
+            "from conftest import load_shipped_requests, replay_shipped\n"
+            "run = replay_shipped([r.prompt_token_ids for r in load_shipped_requests()], 'dlite', 1, 'v2')\n"
+            "print('RESULT ' + json.dumps({'outputs': run['outputs'], 'summary': run['summary']}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET", "PYTHONPATH")}
+    proc = subprocess.run([str(python032), "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    old = json.loads(lines[-1].removeprefix("RESULT "))
+    new = shipped_replays["dlite"]
+    one, two = old["summary"], new["summary"]
+    print(f"tau vLLM 0.32 V2 {one['tau']:.4f} ({one['num_drafts']} drafts), "
+          f"0.34 V2 {two['tau']:.4f} ({two['num_drafts']} drafts)")
+    assert new["outputs"] == old["outputs"]
     assert (two["num_drafts"], two["accepted_tokens"]) == (one["num_drafts"], one["accepted_tokens"])
     assert two["tau_per_position"] == pytest.approx(one["tau_per_position"], abs=1e-12)

