@@ -63,6 +63,16 @@ for line in lines:
     print(str(req).split(";")[0].strip())
 PYREQS
 pip install -r "$reqs" "torch==$TORCH"
+# The wheel holds vLLM's AVX2 and AVX-512 kernel libraries, not `_C` (its AMX/AVX-512-bf16 variant: gcc 12.2
+# cannot compile it). vLLM imports `_C` on a CPU with AVX-512 bf16 and then has no kernels at all
+# ("no attribute 'init_cpu_memory_env'"). The AVX-512 library runs on such a CPU (and is built under
+# the module name _C), so there `_C` is that library: what is lost is the AMX/bf16 kernels, which the
+# project's fp32 tests never call.
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/vllm
+if grep -q avx512_bf16 /proc/cpuinfo && [ ! -e "$site/_C.abi3.so" ] && [ -e "$site/_C_AVX512.abi3.so" ]; then
+  ln -s _C_AVX512.abi3.so "$site/_C.abi3.so"
+  echo "[setup_vllm034] AVX-512 bf16 CPU: vllm._C is the wheel's AVX-512 library"
+fi
 pip install --no-deps "speculators==0.9.0"
 DLITE_BUILD_CUDA=0 pip install --no-build-isolation -e ".[train,bench,dev]" "torch==$TORCH"
 VENV_PY="$VENV/bin/python" bash scripts/install_suffix_decoding.sh

@@ -247,8 +247,11 @@ def current_runner() -> str:
 
 
 def runner_from_log(text: str) -> str:
-    """The runner a ``vllm serve`` used, from its log (vLLM's workers log "Using V2 Model Runner")."""
-    return "v2" if "Using V2 Model Runner" in text else "v1"
+    """The runner a ``vllm serve`` used, from its log: vLLM 0.32's workers log "Using V2 Model
+    Runner"; 0.34, which has no other, says that V1 "has been removed" (to the harness's
+    ``VLLM_USE_V2_MODEL_RUNNER=1``)."""
+    v2 = ("Using V2 Model Runner", "Model Runner V1 has been removed")
+    return "v2" if any(marker in text for marker in v2) else "v1"
 
 
 def _call(runner: str, target: str, payload: bytes):
