@@ -134,3 +134,33 @@ def test_the_vllm_command_sees_the_v2_harness_triton():
             "import importlib.metadata as m, vllm.triton_utils as tu\n"
             "print(m.version('vllm').endswith('+cpu'), tu.HAS_TRITON)")
     assert _python(code, runner_env("v2")) == ["True", "True"]
+
+
+def test_available_runners_follow_the_installed_vllm(tmp_path, monkeypatch):
+    """V1 and V2 where vLLM has ``v1/worker/gpu_model_runner.py`` (0.32), V2 alone where not (0.34);
+    asking a process for a runner its vLLM lacks fails with the fix."""
+    import importlib.util
+
+    import pytest
+
+    from lab.harness import runners
+
+    fake = tmp_path / "vllm"
+    (fake / "v1" / "worker").mkdir(parents=True)
+    spec = importlib.util.spec_from_file_location("vllm", fake / "__init__.py",
+                                                  submodule_search_locations=[str(fake)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "vllm" else None)
+    assert runners.available_runners() == ("v2",) and runners.default_runner() == "v2"
+    with pytest.raises(RuntimeError, match="no Model Runner V1.*use runner 'v2'"):
+        runners.use_runner("v1")
+    (fake / "v1" / "worker" / "gpu_model_runner.py").touch()
+    assert runners.available_runners() == ("v1", "v2") and runners.default_runner() == "v1"
+
+
+def test_runner_from_a_vllm_serve_log():
+    from lab.harness.runners import runner_from_log
+
+    assert runner_from_log("(Worker pid=1) INFO [gpu_model_runner.py:10] Using V2 Model Runner") == "v2"  # 0.32
+    assert runner_from_log("WARNING VLLM_USE_V2_MODEL_RUNNER=1 is redundant and can be unset: "
+                           "Model Runner V1 has been removed.") == "v2"  # 0.34
+    assert runner_from_log("(Worker pid=1) INFO [cpu_model_runner.py:10] Starting to load model") == "v1"

@@ -355,7 +355,7 @@ def test_plain_server_is_not_patched(servers, runner):
     status, out = post(plain, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 16,
                                                   "temperature": 0.8, "seed": 11})
     if runner == "v2":
-        assert status == 200 and ids(out), out
+        assert status == 200 and out["choices"][0]["finish_reason"] in ("stop", "length"), out
         return
     assert status == 500, out
     assert "CPU Generator does not use offset" in plain.log_tail(20000)
