@@ -7,11 +7,11 @@ PY034 := .venv-vllm034/bin/python
 VLLM034_TESTS := tests/test_runners.py tests/test_vllm_integration.py tests/test_vllm_sampling.py \
 	tests/test_tensor_parallel.py tests/test_shipped_models.py tests/test_sampling_matrix.py \
 	tests/test_serving_faults.py tests/test_session_replay.py tests/test_baselines.py tests/test_adaptive.py
-# CI's 0.34 subset (~N min): the shipped drafter lossless on held-out turns, a random G=2 drafter lossless,
-# one vllm serve request
-VLLM034_CI := "tests/test_shipped_models.py::test_lossless_greedy_on_agentic_and_code_turns" \
-	"tests/test_vllm_integration.py::test_greedy_lossless_with_acceptances_and_metrics" \
-	"tests/test_tensor_parallel.py::test_serve_with_tensor_parallel_2"
+# CI's 0.34 subset: the shipped drafter lossless on 16 held-out turns, a random G=2 drafter lossless,
+# one greedy request to a vllm serve with DLite (against a plain server)
+VLLM034_CI := "tests/test_shipped_models.py::test_lossless_greedy_on_agentic_and_code_turns[v2]" \
+	"tests/test_vllm_integration.py::test_greedy_lossless_random_drafter[v2-2-4]" \
+	"tests/test_sampling_matrix.py::test_greedy[v2]"
 setup:
 	bash scripts/setup_env.sh
 
@@ -25,6 +25,10 @@ test-slow: setup               ## the engine end-to-end tests (vLLM engines and 
 	$(PY) -m pytest -q --durations=15 -m slow tests
 
 test-all: test test-slow       ## both (CI runs this)
+
+test-v2-serving: setup         ## every vllm serve check on Model Runner V2 (vLLM 0.32; also part of test-slow)
+	$(PY) -m pytest -q --durations=15 -m slow -k v2 tests/test_sampling_matrix.py tests/test_serving_faults.py \
+	  tests/test_session_replay.py
 
 setup-vllm034:                 ## builds .venv-vllm034: vLLM 0.34 for CPU (scripts/setup_vllm034.sh; the wheel in ../shared/wheels/)
 	bash scripts/setup_vllm034.sh

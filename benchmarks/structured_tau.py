@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             r = run_case(plain, dlite, args.target, case, args.max_tokens)
             results["cases"].append(r)
-            print(json.dumps(r), flush=True)
+            print(case, {k: {x: y for x, y in v.items() if x != "replies"} if isinstance(v, dict) else v
+                         for k, v in r.items()}, flush=True)
             c = r["constrained"]
             if not r["alive"]:
                 results["failures"].append(f"{case}: a server died")
