@@ -14,7 +14,7 @@
 #     requirements/build/cpu.txt less its torch lines;
 #   * one change to the source: its CMake refuses gcc < 12.3 for the x86 backend and Debian 12 has
 #     12.2, which compiles oneDNN and the AVX2 / AVX-512 kernel libraries; the gate is lowered to 12.2;
-#   * the AMX / AVX-512-bf16 variant (`_C`) is not built: gcc 12.2 stops on it with an internal
+#   * the AMX / AVX-512-bf16 variant (`_C`) is left out of setup.py's extensions: gcc 12.2 stops on it with an internal
 #     compiler error (csrc/cpu/sgl-kernels/flash_mla.cpp), which is why vLLM asks for 12.3
 #     (scripts/setup_vllm034.sh makes `_C` the AVX-512 library on such CPUs);
 #   * torch 2.14's CMake config insists on CUDA: it is pointed at the CUDA toolkit that PyPI's
@@ -36,8 +36,11 @@ pip install -q "torch==$TORCH" cmake ninja packaging "setuptools>=77,<81" "setup
 
 sdist=${VLLM_SDIST:-}
 if [ -z "$sdist" ]; then
-  # pip prepares an sdist's metadata on download, which runs vLLM's setup.py: hence the build env above
-  VLLM_TARGET_DEVICE=cpu pip download -q --no-deps --no-binary vllm --no-build-isolation "vllm==0.34.0" -d "$WORK" >&2
+  # pip prepares an sdist's metadata on download, which runs vLLM's setup.py (hence the build env
+  # above); its version would carry a +cpu / +cuXXX suffix and pip would discard the archive as
+  # "inconsistent", so the version is pinned through vLLM's own VLLM_VERSION_OVERRIDE
+  VLLM_VERSION_OVERRIDE=0.34.0 VLLM_TARGET_DEVICE=cpu \
+    pip download -q --no-deps --no-binary vllm --no-build-isolation "vllm==0.34.0" -d "$WORK" >&2
   sdist="$WORK/vllm-0.34.0.tar.gz"
 fi
 src="$WORK/vllm-0.34.0"
@@ -49,6 +52,17 @@ gate="$src/cmake/cpu_extension.cmake"
 grep -q "CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.3" "$gate" \
   || { echo "error: $gate has no gcc 12.3 gate to lower: not the 0.34.0 sources?" >&2; exit 2; }
 sed -i 's/CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.3/CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.2/' "$gate"
+
+# the ISA variants: AVX2 and AVX-512, not the AMX one (see above): setup.py asks CMake for each by name
+"$BVENV/bin/python" - "$src/setup.py" <<'PYEDIT'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+amx = '        ext_modules.append(CMakeExtension(name="vllm._C"))\n        ext_modules.append(CMakeExtension(name="vllm._C_AVX512"))'
+if amx not in text:
+    sys.exit(f"error: {path}: no x86 _C / _C_AVX512 extension list to change: not the 0.34.0 sources?")
+open(path, "w").write(text.replace(amx, '        ext_modules.append(CMakeExtension(name="vllm._C_AVX512"))', 1))
+PYEDIT
 
 grep -v '^torch' "$src/requirements/build/cpu.txt" > "$WORK/build-requirements.txt"
 pip install -q -r "$WORK/build-requirements.txt" "torch==$TORCH" >&2
@@ -62,9 +76,7 @@ if [ "${STOP_AFTER:-}" = prepare ]; then
   exit 0
 fi
 
-# the ISA variants: AVX2 and AVX-512, not the AMX one (see above)
-export VLLM_CPU_AVX512BF16=0 VLLM_CPU_AMXBF16=0
-export VLLM_TARGET_DEVICE=cpu MAX_JOBS=${MAX_JOBS:-2} CMAKE_BUILD_TYPE=Release
+export VLLM_VERSION_OVERRIDE=0.34.0+cpu VLLM_TARGET_DEVICE=cpu MAX_JOBS=${MAX_JOBS:-2} CMAKE_BUILD_TYPE=Release
 export FETCHCONTENT_SOURCE_DIR_ONEDNN="$ONEDNN_SRC"
 export CMAKE_ARGS="-DCUDA_TOOLKIT_ROOT_DIR=$cuda -DCMAKE_CUDA_COMPILER=$cuda/bin/nvcc -DCUDA_nvrtc_LIBRARY=$cuda/lib/libnvrtc.so.13"
 PATH=$(echo "$PATH" | tr ':' '\n' | grep -v cargo | paste -sd:)
