@@ -269,14 +269,6 @@ def _version_key(version: str) -> tuple:
     return tuple(int(p) if p.isdigit() else -1 for p in version.split("."))
 
 
-def group_off_message(group: Union[str, Group], version: Optional[str] = None) -> str:
-    """The one message for a feature whose group does not hold on the installed vLLM."""
-    group = GROUP_BY_NAME[group] if isinstance(group, str) else group
-    holding = ", ".join(sorted(holding_groups(version))) or "none"
-    return (f"vllm-dlite: {group.features} needs vLLM internals that vLLM {version or installed_version()} "
-            f"does not have (compat group {group.name!r}; groups available there: {holding})")
-
-
 # =========================================================================== adapters
 @dataclass(frozen=True)
 class Adapter:
@@ -599,12 +591,7 @@ def check(groups: Optional[Iterable[Union[str, Group]]] = None) -> list[str]:
     return [p for g in (GROUPS if groups is None else groups) for p in group_problems(g)]
 
 
-# the previous flat list, for callers that iterate it: (module, path, signatures or None)
-PRIVATE_SYMBOLS: tuple[tuple[str, str, Optional[tuple[Signature, ...]]], ...] = tuple(
-    (n.module, n.path, n.signatures or None) for g in GROUPS for n in g.needs if not n.external)
-
-
-__all__ = ["ADAPTERS", "CORE", "CPU_FIXES", "GROUPS", "V2_REGISTRY", "KNOWN_GROUPS", "group_off_message", "holding_groups", "PRIVATE_SYMBOLS", "SUPPORTED_VLLM_SERIES",
+__all__ = ["ADAPTERS", "CORE", "CPU_FIXES", "GROUPS", "V2_REGISTRY", "KNOWN_GROUPS", "holding_groups", "SUPPORTED_VLLM_SERIES",
            "V1_ADAPTIVE", "V1_RUNNER", "V2_RUNNER", "Group", "Need", "check", "check_need", "format_signature",
            "graph_manager_decode_query", "group_problems", "installed_version", "resolve", "series_of", "supported",
            "unsupported_message", "write_draft_logits"]
