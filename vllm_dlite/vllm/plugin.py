@@ -1,4 +1,5 @@
-"""vLLM plugin: makes ``"method": "dlite"`` a speculative-decoding method of vLLM 0.32.
+"""vLLM plugin: makes ``"method": "dlite"`` a speculative-decoding method of vLLM 0.32-0.34
+(:data:`SUPPORTED_VLLM_SERIES`; 0.34 has Model Runner V2 only).
 
 Entry point (``setup.py``)::
 
@@ -16,9 +17,11 @@ configs. It is idempotent and does five things:
 3. **The "dlite" method**: wraps ``EngineArgs.create_speculative_config`` (the one place where
    both ``--speculative-config`` JSON and ``LLM(speculative_config=...)`` become a
    ``SpeculativeConfig``). :func:`prepare_speculative_config` validates the DLite checkpoint
-   against the target (earliest point: before any model is loaded) and maps ``method`` to
-   vLLM's parallel-drafting path ``"dflash"``; the DLite checkpoint's architecture is what later
-   selects the DLite proposer, so ``{"method": "dflash", "model": <dlite dir>}`` works too.
+   against the target (earliest point: before any model is loaded) and, on 0.32-0.33, maps
+   ``method`` to vLLM's parallel-drafting path ``"dflash"``; the DLite checkpoint's architecture
+   is what later selects the DLite proposer, so ``{"method": "dflash", "model": <dlite dir>}``
+   works too. On 0.34 ``"dlite"`` stays a method of its own, registered in vLLM's speculator
+   registry (:mod:`vllm_dlite.vllm.registry_v034`).
    More methods on the same checkpoint come from **extensions** (:func:`extensions`: today
    :mod:`vllm_dlite.vllm.adaptive`, registered through its one ``register()``): they map the same
    way, and what an extension's config step returns reaches the workers in
@@ -32,7 +35,8 @@ configs. It is idempotent and does five things:
      the draft architecture is DLite.
    * Model Runner V2 (GPU default): ``vllm.v1.worker.gpu.model_runner.init_speculator`` (bound by
      name at import) is wrapped to return
-     :class:`vllm_dlite.vllm.speculator_v2.DLiteSpeculator` for a DLite draft.
+     :class:`vllm_dlite.vllm.speculator_v2.DLiteSpeculator` for a DLite draft (0.32-0.33; on 0.34
+     the speculator registry builds it, and nothing is wrapped).
    * the hooks that :mod:`vllm_dlite.vllm.cpu_fixes` and the extensions hand over.
 
    Every hook names the compat group it needs and is installed only where that group holds.

@@ -1,10 +1,11 @@
 """DLite speculator for vLLM's Model Runner V2 (``vllm/v1/worker/gpu/``, the GPU default).
 
 :class:`DLiteSpeculator` subclasses ``DraftModelSpeculator`` and is returned by the wrapped
-``init_speculator`` (see :mod:`vllm_dlite.vllm.plugin`) when the draft checkpoint is DLite.
+``init_speculator`` (see :mod:`vllm_dlite.vllm.plugin`) when the draft checkpoint is DLite; on
+vLLM 0.34 vLLM's speculator registry builds it (:mod:`vllm_dlite.vllm.registry_v034`).
 
 Per step (``propose``), for the ``num_reqs`` requests of the batch, without CPU-GPU syncs on the
-greedy path:
+greedy path with G <= 2:
 
 * feature row of request i = ``query_start_loc[i+1] - 1 - num_rejected[i]`` (its last accepted
   token, or the last row of its prefill chunk): the row that predicted the anchor;
@@ -12,7 +13,11 @@ greedy path:
 * anchor = ``last_sampled[idx_mapping[i]]`` when the request sampled a token this step, else
   ``next_prefill_tokens[idx_mapping[i]]`` (partial prefill chunk; vLLM discards those drafts);
 * with G = 2, ``x_{a-1}`` = this step's input id at that row (always scheduled this step);
-  G > 2 is served by Model Runner V1 only (a clear error here);
+  with G > 2, ``x_{a-G+1..a-1}`` are read from the request's token history (the runner's
+  ``req_states``, which ``init_speculator`` hands over); near the start of a sequence the group
+  shrinks to the tokens there are (one host sync, so G > 2 drafts eagerly, without CUDA graphs);
+  a vLLM that does not pass ``req_states`` gets a clear error at construction (serve such a
+  checkpoint with Model Runner V1);
 * one backbone pass + k sequential-head steps (k = ``num_speculative_tokens``) ->
   ``draft_tokens[:num_reqs]``.
 
@@ -23,12 +28,13 @@ from ``softmax(logits / T_request)`` and writes the pre-temperature logits into
 0.32-0.33, a ``DraftLogitsCache`` on 0.34: :func:`vllm_dlite.vllm.compat.write_draft_logits`); this
 path groups requests by temperature (one host sync) and runs eagerly.
 
-CUDA graphs: when the runner's cudagraph mode is not NONE and drafts are greedy, ``capture()``
-records ONE graph per batch size (powers of two up to ``max_num_seqs``, plus ``max_num_seqs``)
-of the whole draft step over static buffers, into vLLM's global graph pool; a batch replays the
-smallest captured size >= its size. The graphs live in a ``CudaGraphManager`` subclass so that
-vLLM's cudagraph memory profiling drops them like its own speculators' managers (its constructor's
-decode-query keyword differs between releases: :func:`vllm_dlite.vllm.compat.graph_manager_decode_query`).
+CUDA graphs: when the runner's cudagraph mode is not NONE, drafts are greedy and G <= 2,
+``capture()`` records ONE graph per batch size (powers of two up to ``max_num_seqs``, plus
+``max_num_seqs``) of the whole draft step over static buffers, into vLLM's global graph pool; a
+batch replays the smallest captured size >= its size. The graphs live in a ``CudaGraphManager``
+subclass so that vLLM's cudagraph memory profiling drops them like its own speculators' managers
+(its constructor's decode-query keyword differs between releases:
+:func:`vllm_dlite.vllm.compat.graph_manager_decode_query`).
 
 Not supported (clear errors or warnings): tensor/data parallel drafting with a sharded vocab,
 adaptive verification (no confidence head), draft watermarking, multimodal draft inputs.
