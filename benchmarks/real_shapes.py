@@ -13,8 +13,8 @@ Contract (what a run builds, checks and writes):
   default, ``--target-intermediate``: the target's MLP does not touch anything DLite reads, and the
   full one would not fit beside the drafter in this machine's memory), stored **bf16, sharded with
   a model.safetensors.index.json**, as the real checkpoint is. Weights N(0, 0.25) with every
-  ``o_proj`` / ``down_proj`` scaled by 0.08 (``tests/helpers_vllm.make_tiny_target``'s idea): the
-  logits' spread is ~12, so greedy argmaxes are decisive and numeric noise between batch shapes
+  ``o_proj`` / ``down_proj`` scaled by 0.08 (``make_tiny_target``'s idea, ``tests/helpers_vllm.py``):
+  the logits' spread is ~12, so greedy argmaxes are decisive and numeric noise between batch shapes
   does not flip them. Its tokenizer is the project's small byte-level BPE
   (``lab.target.tokenizer``, 512 ids, ``<|mask|>`` included); prompts are random token ids over the
   whole 151,936-id vocabulary (``TokensPrompt``) and outputs are compared as token ids

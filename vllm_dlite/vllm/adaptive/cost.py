@@ -359,7 +359,7 @@ def choose_source(suffix_len: int, suffix_score: float, dlite_expected: Optional
     """Hybrid: the suffix tree proposes when it matched (``suffix_len > 0``) and its score (the
     tree's estimate of the accepted drafts: the sum of its path probabilities) beats DLite's
     (:func:`expected_from_confidence`; None: DLite did not draft this round); else DLite.
-    ``benchmarks/draft_sources.py`` compares this rule with fixed thresholds and with vLLM's n-gram
+    ``lab/experiments/draft_sources.py`` compares this rule with fixed thresholds and with vLLM's n-gram
     matcher on greedy traces."""
     if suffix_len <= 0:
         return "dlite"
