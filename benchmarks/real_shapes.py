@@ -20,7 +20,7 @@ Contract (what a run builds, checks and writes):
   whole 151,936-id vocabulary (``TokensPrompt``) and outputs are compared as token ids
   (``detokenize=False``: most ids have no text in the small tokenizer).
 * **Drafter** (:func:`write_drafter`): a random ``DLiteDrafter`` in the authors' layout at Qwen3-4B
-  shapes (DLITE_V1.md section 7): 5 draft layers, full intermediate size 9728, L = 14 features
+  shapes (docs/dlite_v1.md §7): 5 draft layers, full intermediate size 9728, L = 14 features
   (``target_layer_ids`` by the authors' rule for N = 36), rank 320, B = 8 (K = 7), G = 1,
   ``mask_token_id`` = the tokenizer's ``<|mask|>``; 603,322,560 parameters (checked); matrices
   N(0, 0.2); written with ``vllm_dlite.model.save_pretrained`` in bf16 and split into 3 shards + index
@@ -90,7 +90,7 @@ N_TARGET_LAYERS = 36
 NUM_FEATURES = 14
 DRAFT_LAYERS = 5
 BLOCK_SIZE = 8  # counts the anchor: K = 7
-SHAPES = {  # hidden, intermediate, rank (DLITE_V1.md section 7)
+SHAPES = {  # hidden, intermediate, rank (docs/dlite_v1.md §7)
     "4B": {"hidden_size": 2560, "intermediate_size": 9728, "sequential_rank": 320},
     "8B": {"hidden_size": 4096, "intermediate_size": 12288, "sequential_rank": 512},
 }

@@ -1,6 +1,6 @@
 """A drafter config.json that leaves keys out means what it means in the authors' code (issue 36).
 
-The authors' config class is transformers 4.57's ``Qwen3Config`` (DLITE_V1.md 1.1): a key left
+The authors' config class is transformers 4.57's ``Qwen3Config`` (``docs/dlite_v1.md`` §1.1): a key left
 out takes that class's default, not the target's value and not a value derived from other keys.
 ``rope_scaling`` and ``hidden_act`` are applied as transformers applies them; a sliding window
 that would cut one round's keys is refused (the authors' code applies it only under

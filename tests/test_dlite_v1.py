@@ -1,4 +1,4 @@
-"""The drafter is the authors' ``dlite_v1`` (DLITE_V1.md sections 1-4, 7): fidelity and checkpoints.
+"""The drafter is the authors' ``dlite_v1`` (``docs/dlite_v1.md`` §§1-4, 7): fidelity and checkpoints.
 
 * An independent per-token reference, written here from the spec with plain loops (no code shared
   with ``vllm_dlite``: its own RMSNorm, RoPE, attention, head), equals the model's logits in fp32
@@ -76,7 +76,7 @@ def _rope(x: list[float], pos: int, theta: float) -> list[float]:
 
 
 def spec_logits(sd: dict, cfg: DLiteConfig, embed, norm_w, feats, tokens, a: int, labels) -> torch.Tensor:
-    """DLITE_V1.md sections 2-4 for ONE anchor at absolute position ``a`` of ``tokens``:
+    """``docs/dlite_v1.md`` §§2-4 for ONE anchor at absolute position ``a`` of ``tokens``:
     features ``feats [L, H]`` (pre-norm aux), teacher-forced head fed ``labels``. -> [K, V]."""
     G, B, L, D = cfg.anchor_group_size, cfg.block_size, len(cfg.target_layer_ids), cfg.head_dim
     hq, hkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
@@ -243,7 +243,7 @@ def authors_config(H_, I, r, L, V_=151936, N=36) -> dict:
 @pytest.mark.parametrize("shape, expected", [((4096, 12288, 512, 14), 1_123_879_680),
                                              ((2560, 9728, 320, 12), 603_322_560)])
 def test_authors_checkpoint_at_qwen3_shapes_on_meta(tmp_path, shape, expected):
-    """A checkpoint in the authors' layout at Qwen3-8B / -4B shapes (DLITE_V1.md section 7): its
+    """A checkpoint in the authors' layout at Qwen3-8B / -4B shapes (``docs/dlite_v1.md`` §7): its
     headers pass the loader's check, and the model it describes has the spec's parameter count."""
     cfg = authors_config(*shape)
     (tmp_path / "config.json").write_text(json.dumps(cfg))

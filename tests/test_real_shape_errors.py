@@ -1,8 +1,8 @@
 """The authors' Qwen3-4B / Qwen3-8B drafter layouts at their real shapes, at vLLM's config time
 (issue 36, deliverable 3): no engine and no weights, only config.json and safetensors headers.
 
-A checkpoint here is what ``SJTU-DAI-Sys/Qwen3-{4B,8B}-DLite`` is described to be (DLITE_V1.md
-1, 7): hidden 2560 / 4096, vocabulary 151,936, N = 36 target layers, L = 14 features, rank 320 /
+A checkpoint here is what ``SJTU-DAI-Sys/Qwen3-{4B,8B}-DLite`` is described to be (docs/dlite_v1.md
+§§1, 7): hidden 2560 / 4096, vocabulary 151,936, N = 36 target layers, L = 14 features, rank 320 /
 512, 5 draft layers, bf16, sharded with a ``model.safetensors.index.json``. Each shard is a real
 safetensors file whose data region is a hole (sparse), because
 :func:`vllm_dlite.model.checkpoint.check_checkpoint` reads names, shapes and dtypes only.
@@ -28,7 +28,7 @@ from vllm_dlite.vllm.plugin import prepare_speculative_config
 from sparse_safetensors import write_sparse_safetensors
 
 V = 151936
-SHAPES = {  # hidden, intermediate, rank (DLITE_V1.md section 7; L = 14 as the issue states)
+SHAPES = {  # hidden, intermediate, rank (docs/dlite_v1.md §7; L = 14 as the issue states)
     "4B": (2560, 9728, 320),
     "8B": (4096, 12288, 512),
 }

@@ -64,7 +64,7 @@ _FIX_OLD = (
 )
 
 # What a key left out of config.json means in the authors' code: the defaults of transformers
-# 4.57.1 ``Qwen3Config.__init__`` (their config class, DLITE_V1.md 1.1; TFc). ``num_key_value_heads``
+# 4.57.1 ``Qwen3Config.__init__`` (their config class, docs/dlite_v1.md §1.1; TFc). ``num_key_value_heads``
 # given as null means ``num_attention_heads`` there (backward compatibility), absent means 32.
 QWEN3_CONFIG_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151936,
@@ -195,7 +195,7 @@ def is_dlite_config(cfg: Any) -> bool:
 
 
 def build_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
-    """The authors' layer-id rule (DLITE_V1.md section 2): ``{0, N-1}`` plus
+    """The authors' layer-id rule (``docs/dlite_v1.md`` §2): ``{0, N-1}`` plus
     ``1 + round(f_i * (N-3))`` for ``i = 0..L-3``, ``f_i = 0.5`` if ``L == 3`` else ``i/(L-3)``
     (Python's round: half to even), sorted. E.g. ``N=36, L=14 -> [0,1,4,7,...,31,34,35]``.
     Raises ``ValueError`` when the rule does not give ``L`` distinct ids."""

@@ -1,4 +1,4 @@
-"""The DLite drafter, format ``dlite_v1`` (paper Sec. 4; ``DLITE_V1.md`` sections 2-4).
+"""The DLite drafter, format ``dlite_v1`` (paper Sec. 4; ``docs/dlite_v1.md`` §§2-4).
 
 One round for a request whose anchor ``x_a`` (the token the target just produced) sits at
 position ``a``; ``f[l]`` = the target's features at position ``a-1`` from layer

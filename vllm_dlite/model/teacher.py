@@ -1,4 +1,4 @@
-"""The sliding-window teacher ``swa_teacher`` (training only; ``DLITE_V1.md`` section 6).
+"""The sliding-window teacher ``swa_teacher`` (training only; ``docs/dlite_v1.md`` §6).
 
 Same backbone and sequential head as :class:`~vllm_dlite.model.drafter.DLiteDrafter` (same
 parameter names, so the head can be copied into the student), plus HISTORY: a window of ``W-1``

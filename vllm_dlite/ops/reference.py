@@ -236,7 +236,7 @@ def sequential_head(
     generator: Optional[torch.Generator] = None,
     k: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated rank-r RNN head: drafts the block's tokens one after the other (DLITE_V1.md sec. 4)::
+    """Gated rank-r RNN head: drafts the block's tokens one after the other (``docs/dlite_v1.md`` §4)::
 
         s_0 = 0, or Phi(0, x_{a-1}) when prime_ids is given (G > 1)
         for j = 1..k:  s_j = Phi(s_{j-1}, t_{j-1})   (t_0 = x_a, t_j = token drafted at j)

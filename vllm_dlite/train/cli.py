@@ -3,7 +3,7 @@
     python -m vllm_dlite.train --target PATH/TO/HF_MODEL --out DIR
 
 trains a ``dlite_v1`` drafter for a local HF Qwen3-style model with the authors' recipe
-(``DLITE_V1.md`` section 6): regenerate on-policy data with vLLM (training-split
+(``docs/dlite_v1.md`` §6): regenerate on-policy data with vLLM (training-split
 agentic/code/chat workloads), pick L = 14/36 of the target layers by the authors' rule
 (``build_target_layer_ids``), train the sliding-window teacher (8 epochs) -> stage 1 KL from
 the teacher with its head frozen in the student (2) -> stage 2 CE + TV against the target (6),

@@ -1,4 +1,4 @@
-"""DLite training losses, the authors' recipe (``DLITE_V1.md`` section 6; FlashMTP ``FC``).
+"""DLite training losses, the authors' recipe (``docs/dlite_v1.md`` §6; FlashMTP ``FC``).
 
 Shapes: N anchors (rows), K = B-1 block positions, V vocabulary. Column ``k`` (0-based) is mask
 slot ``k+1``, which predicts ``x_{a+k+1}``.

@@ -30,7 +30,7 @@ def model_card(report: dict[str, Any], dlite: DLiteConfig) -> str:
         f"# DLite drafter (`dlite_v1`) for `{report.get('target')}`",
         "",
         "History-free DLite drafter (arXiv 2610.23787) in the authors' checkpoint format "
-        "`dlite_v1` (`DLITE_V1.md`), trained by `vllm_dlite.train` with the authors' recipe.",
+        "`dlite_v1` (vllm-dlite's `docs/dlite_v1.md`), trained by `vllm_dlite.train` with the authors' recipe.",
         "",
         "## Format",
         "",

@@ -9,7 +9,7 @@ resumed or re-batched run sees the same anchors.
    + index (memory-mapped ``.npy`` files next to it), so large corpora do not live in Python lists
    on every rank.
 
-3. **Anchors** (the authors' rule, ``DLITE_V1.md`` section 6): for a sequence ``x_0..x_{S-1}``
+3. **Anchors** (the authors' rule, ``docs/dlite_v1.md`` §6): for a sequence ``x_0..x_{S-1}``
    whose response (``loss_mask``) starts at ``P``, the anchors are the positions ``a`` in
    ``[1, S-B]`` with ``loss_mask[a]`` and ``loss_mask[a+1]`` set, i.e. ``a`` in
    ``[max(P, 1, G-1), S-B]`` (``G-1``: the anchor group ``x_{a-G+1..a}`` exists; a no-op for

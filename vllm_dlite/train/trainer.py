@@ -1,4 +1,4 @@
-"""DLite drafter training to the authors' recipe (``DLITE_V1.md`` section 6, format ``dlite_v1``).
+"""DLite drafter training to the authors' recipe (``docs/dlite_v1.md`` §6, format ``dlite_v1``).
 
 Stages (each its own AdamW + warm-up/cosine schedule; paper epochs 8 / 2 / 6):
 
