@@ -70,7 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # DraftTimer needs the in-process engine
 
-from buckets import PROMPT_BUCKETS  # noqa: E402  (beside this script)
+from lab.buckets import PROMPT_BUCKETS  # noqa: E402  (after the path)
 from repeats import combine_passes, spread  # noqa: E402  (beside this script)
 from lab.harness.runners import default_runner  # noqa: E402
 from vllm_dlite.vllm.engine import use_cpu_env  # noqa: E402  (after the path)

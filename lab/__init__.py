@@ -6,6 +6,8 @@ repository root (``python -m lab.target.train``; pytest and the benchmarks put t
 * :mod:`lab.harness`: replaying requests through vLLM engines (:mod:`lab.harness.replay`), ``vllm
   serve`` as a child process (:mod:`lab.harness.server`), checkpoint fault injection
   (:mod:`lab.harness.faults`).
+* :mod:`lab.buckets`: the prompt-length buckets of every acceptance table (``benchmarks/ab.py``
+  and the lab's experiments).
 
 Floors, each importing only those before it: ``vllm_dlite`` (runtime) -> ``vllm_dlite.train``
 (drafter training, the ``train`` extra) -> ``lab`` -> ``benchmarks`` / ``examples`` / ``tests``.

@@ -1,6 +1,6 @@
 """The copy definition of lab/experiments/copy_share.py (issue 38's copy-share analysis)."""
 
-from benchmarks.buckets import prompt_bucket
+from lab.buckets import prompt_bucket
 from lab.experiments.copy_share import copied_positions
 
 

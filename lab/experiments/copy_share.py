@@ -47,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.buckets import PROMPT_BUCKETS, prompt_bucket  # noqa: E402  (after the path)
+from lab.buckets import PROMPT_BUCKETS, prompt_bucket  # noqa: E402  (after the path)
 
 N = 4  # match length that counts as a copy
 

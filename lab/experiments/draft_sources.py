@@ -53,7 +53,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.buckets import PROMPT_BUCKETS  # noqa: E402  (after the path)
+from lab.buckets import PROMPT_BUCKETS  # noqa: E402  (after the path)
 from vllm_dlite.vllm.adaptive.cost import (  # noqa: E402
     choose_source, expected_from_confidence, tree_before_drafting)
 

@@ -34,7 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.buckets import PROMPT_BUCKETS  # noqa: E402  (the A/B's prompt buckets)
+from lab.buckets import PROMPT_BUCKETS  # noqa: E402  (the A/B's prompt buckets)
 
 
 def load(folder: Path) -> dict:
