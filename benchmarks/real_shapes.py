@@ -416,7 +416,7 @@ def check_runner(runner: str, models: dict, prompts: list[list[int]], **kw) -> d
 # =========================================================================== Qwen3-8B, no serving
 def validate_8b(root: str) -> dict:
     """8B-shape drafter: save (bf16, 3 shards + index), config-time check, load, checksums, bind, one
-    round. Run it in a fresh process (:func:`lab.harness.replay.in_fresh_process`)."""
+    round. Run it in a fresh process (:func:`lab.harness.processes.in_fresh_process`)."""
     import torch
 
     torch.set_num_threads(1)
@@ -526,7 +526,7 @@ def main(argv=None) -> int:
     if max(args.prompt_lens) + args.max_tokens > MAX_MODEL_LEN:
         ap.error(f"prompt + new tokens must fit max_model_len {MAX_MODEL_LEN}")
 
-    from lab.harness.replay import in_fresh_process
+    from lab.harness.processes import in_fresh_process
 
     start = time.perf_counter()
     results: dict = {"command": "python benchmarks/real_shapes.py " + " ".join(argv if argv is not None else sys.argv[1:]),

