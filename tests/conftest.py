@@ -20,7 +20,13 @@ from __future__ import annotations
 
 import pytest
 
+from lab.harness.runners import available_runners, use_runner  # noqa: E402
 from paths import DRAFTER_DIR, TARGET_DIR, WORKLOADS  # noqa: E402
+
+if available_runners() == ("v2",):
+    # vLLM 0.34 (make test-vllm034): Model Runner V2 is all there is, so this process is set up for it
+    # too, before anything imports vLLM: config checks and engines then run here as in a V2 child.
+    use_runner("v2")
 
 SHIPPED_K = 7
 SHIPPED_MAX_TOKENS = 48

@@ -62,6 +62,22 @@ def test_hybrid_without_arctic_inference_is_refused_with_the_fix(monkeypatch):
     AdaptiveOptions.from_dict("adaptive")  # the adaptive method does not need it
 
 
+def test_adaptive_methods_are_refused_where_vllm_has_no_v1(models):
+    """vLLM 0.34 has no Model Runner V1: ``dlite-adaptive`` / ``dlite-hybrid`` fail at config load
+    with one message that names the fix (``dlite``)."""
+    from lab.harness.runners import available_runners
+    from vllm_dlite.vllm import plugin
+
+    if "v1" in available_runners():
+        pytest.skip("this vLLM has Model Runner V1: the methods are served")
+    cfg = H.target_config(models.target)
+    for method in ("dlite-adaptive", "dlite-hybrid"):
+        with pytest.raises(ValueError, match=f"'{method}' needs Model Runner V1.*use 'method': 'dlite'") as err:
+            plugin.prepare_speculative_config({"method": method, "model": str(models.drafter)}, cfg)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.v1
 def test_methods_map_to_dflash_and_carry_options(models):
     from vllm_dlite.vllm import plugin
 
@@ -85,6 +101,7 @@ def test_methods_map_to_dflash_and_carry_options(models):
             {"method": "dlite-hybrid", "model": str(models.drafter), "dlite_options": {"x": 1}}, cfg)
 
 
+@pytest.mark.v1
 def test_engine_config_carries_the_mode_to_the_workers_and_v2_refuses_it(models):
     """``additional_config`` reaches the workers; Model Runner V2 (GPU default) fails with the fix."""
     pytest.importorskip("vllm")

@@ -124,10 +124,6 @@ BARE_NAME_DIRS = ("tests", "benchmarks")  # pytest.ini's pythonpath (besides the
 FLOORS = (("vllm_dlite.train", 1), ("vllm_dlite", 0), ("lab", 2), ("benchmarks", 3), ("examples", 3),
           ("tests", 3))
 FLOOR_NAMES = ("runtime (vllm_dlite)", "training (vllm_dlite.train)", "lab", "benchmarks / examples / tests")
-# The one known circle: lab/harness/runners.py imports in_fresh_process from lab.harness.replay
-# (inside call_with_runner), and replay imports runners. in_fresh_process now lives in
-# lab/harness/processes.py; the circle closes when runners.py imports it from there.
-KNOWN_CIRCLE = ["lab.harness.replay", "lab.harness.runners"]
 
 
 def floor_of(module: str) -> int:
@@ -244,18 +240,10 @@ def test_the_lab_imports_no_benchmark():
             if m.startswith("lab.") and any(t.startswith("benchmarks.") for t in ts)} == {}
 
 
-def test_no_import_cycle_in_the_repository_but_the_known_one():
+def test_no_import_cycle_in_the_repository():
     graph = repo_import_graph()
-    cycles = [c for c in import_cycles(graph) if c != KNOWN_CIRCLE]
+    cycles = import_cycles(graph)
     assert cycles == [], describe_cycles(graph, cycles)
-
-
-@pytest.mark.xfail(strict=True, reason="lab/harness/runners.py still imports in_fresh_process from "
-                   "lab.harness.replay: import it from lab.harness.processes, then drop this mark and "
-                   "KNOWN_CIRCLE")
-def test_replay_and_runners_do_not_import_each_other():
-    graph = repo_import_graph()
-    assert KNOWN_CIRCLE not in import_cycles(graph), describe_cycles(graph, [KNOWN_CIRCLE])
 
 
 def test_repository_graph_resolves_bare_names_of_scripts_and_tests(tmp_path):

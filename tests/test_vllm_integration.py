@@ -62,7 +62,22 @@ def dlite(path, **extra):
     return {"method": "dlite", "model": str(path), **extra}
 
 
+def served_method() -> str:
+    """What the plugin turns ``"method": "dlite"`` into: itself where vLLM's speculator registry serves
+    it (0.34), else vLLM's parallel-drafting path ``"dflash"`` (0.32-0.33)."""
+    return plugin.DLITE_METHOD if plugin.registry_in_use() else plugin.VLLM_METHOD
+
+
+def is_served_as_dlite(sc) -> bool:
+    """A built ``SpeculativeConfig`` runs DLite on the parallel-drafting path: ``method`` is
+    ``"dflash"`` on every release (0.34 moves a registered method's name to ``custom_method`` and sets
+    its base method, ``"dflash"``)."""
+    custom = plugin.DLITE_METHOD if plugin.registry_in_use() else None
+    return sc.method == plugin.VLLM_METHOD and getattr(sc, "custom_method", None) == custom
+
+
 # =========================================================================== plugin
+@pytest.mark.v1
 def test_register_is_idempotent():
     from vllm import ModelRegistry
     from vllm.engine.arg_utils import EngineArgs
@@ -81,11 +96,13 @@ def test_register_is_idempotent():
 
 
 def test_v2_hook_wraps_init_speculator_once():
+    """0.32-0.33: the plugin wraps V2's ``init_speculator`` once. 0.34: vLLM's speculator registry
+    builds DLite's speculator, so nothing is wrapped."""
     import vllm.v1.worker.gpu.spec_decode as spec_decode
 
     plugin.register()
     wrapped = spec_decode.init_speculator
-    assert getattr(wrapped, plugin._WRAPPED, False)
+    assert bool(getattr(wrapped, plugin._WRAPPED, False)) != plugin.registry_in_use()
     plugin._hook_v2_spec_decode(spec_decode)
     assert spec_decode.init_speculator is wrapped
 
@@ -158,7 +175,7 @@ def _target_dict(models):
 def test_method_dlite_is_mapped(models):
     cfg = H.target_config(models.target)
     out = plugin.prepare_speculative_config(dlite(models.drafter), cfg)
-    assert out["method"] == "dflash"
+    assert out["method"] == served_method()
     assert out["num_speculative_tokens"] == H.BLOCK_K  # defaults to the drafter's K
     out = plugin.prepare_speculative_config(dlite(models.drafter, num_speculative_tokens=2), cfg)
     assert out["num_speculative_tokens"] == 2
@@ -178,7 +195,7 @@ def test_engine_config_from_dict_and_cli(models):
     common = dict(model=str(models.target), dtype="float32", max_model_len=256)
     config = EngineArgs(**common, speculative_config=dlite(models.drafter)).create_engine_config()
     sc = config.speculative_config
-    assert sc.method == "dflash" and sc.num_speculative_tokens == H.BLOCK_K
+    assert is_served_as_dlite(sc) and sc.num_speculative_tokens == H.BLOCK_K
     assert sc.draft_model_config.architectures == ["DFlashDLiteDraftModel"]
     assert plugin.is_dlite_draft(sc)
     assert tuple(sc.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids) == (1, 2, 3, 4)
@@ -191,7 +208,7 @@ def test_engine_config_from_dict_and_cli(models):
         ]
     )
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    assert config.speculative_config.method == "dflash"
+    assert is_served_as_dlite(config.speculative_config)
     assert config.speculative_config.num_speculative_tokens == 3
 
     # --spec-method / --spec-model aliases

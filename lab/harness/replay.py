@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from lab.harness.processes import in_fresh_process  # noqa: F401  (re-exported: runners.py imports it here)
 from vllm_dlite.vllm.engine import build_llm, shutdown
 
 
@@ -269,12 +268,28 @@ class EventDraftTimer:
         self._raw.clear()
 
 
+class NoDraftTimer:
+    """Model Runner V2 on CPU: its draft rounds run through Triton's interpreter, so they are not
+    timed (and vLLM 0.34 has no V1 runner for :class:`DraftTimer` to wrap)."""
+
+    def __init__(self):
+        self.records: list = []
+
+    def __enter__(self) -> "NoDraftTimer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 def draft_timer(llm, runner: str, k: int):
-    """The draft-round timer for this engine: CUDA events on Model Runner V2 on CUDA
-    (:class:`EventDraftTimer`), else :class:`DraftTimer` (V1; records nothing on V2 on CPU)."""
+    """The draft-round timer for this engine: :class:`DraftTimer` on V1, CUDA events on Model Runner
+    V2 on CUDA (:class:`EventDraftTimer`), none on V2 on CPU (:class:`NoDraftTimer`)."""
     import torch
 
-    return EventDraftTimer(llm, k) if runner == "v2" and torch.cuda.is_available() else DraftTimer()
+    if runner == "v1":
+        return DraftTimer()
+    return EventDraftTimer(llm, k) if torch.cuda.is_available() else NoDraftTimer()
 
 
 def merge_runs(method: str, runs: list[RunResult]) -> RunResult:

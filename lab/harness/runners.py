@@ -275,7 +275,7 @@ def call_with_runner(runner: str, target: str, /, *args, fresh: bool = True, **k
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from lab.harness.replay import in_fresh_process
+    from lab.harness.processes import in_fresh_process
 
     payload = pickle.dumps((args, kwargs))
     if fresh:
