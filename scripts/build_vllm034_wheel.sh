@@ -15,7 +15,7 @@
 #   * one change to the source: its CMake refuses gcc < 12.3 for the x86 backend and Debian 12 has
 #     12.2, which compiles oneDNN and the AVX2 / AVX-512 kernel libraries; the gate is lowered to 12.2;
 #   * the AMX / AVX-512-bf16 variant (`_C`) is left out of setup.py's extensions: gcc 12.2 stops on it with an internal
-#     compiler error (csrc/cpu/sgl-kernels/flash_mla.cpp), which is why vLLM asks for 12.3
+#     compiler error (vLLM's csrc/cpu/sgl-kernels/flash_mla.cpp), which is why vLLM asks for 12.3
 #     (scripts/setup_vllm034.sh makes `_C` the AVX-512 library on such CPUs);
 #   * torch 2.14's CMake config insists on CUDA: it is pointed at the CUDA toolkit that PyPI's
 #     nvidia-* wheels (pulled in by torch) provide, plus nvcc from nvidia-cuda-nvcc;
