@@ -559,10 +559,27 @@ def _fake_v2_batch(L: int):
     return batch, aux, inputs, feats, input_ids[rows].long(), torch.tensor(anchors)
 
 
-def _propose(spec, batch, aux, inputs, temperature=None):
+def _propose(spec, batch, aux, inputs, temperature=None, **kwargs):
     return spec.propose(batch, {}, {}, aux[-1], aux, inputs["num_sampled"], inputs["num_rejected"],
                         inputs["last_sampled"], inputs["next_prefill_tokens"],
-                        torch.zeros(8) if temperature is None else temperature, torch.zeros(8, dtype=torch.long))
+                        torch.zeros(8) if temperature is None else temperature, torch.zeros(8, dtype=torch.long),
+                        **kwargs)
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_v2_speculator_skips_a_step_that_asks_for_no_drafts(models, g2, G, monkeypatch):
+    """vLLM 0.34 calls ``propose(..., num_speculative_tokens=0)`` on steps whose drafts are not used
+    (``skip_drafts``): DLite keeps no state, so the drafter does not run at all; k = 2 still drafts 2."""
+    spec, _ = _v2_speculator(models, models.drafter if G == 1 else g2["random"])
+    spec.init_cudagraph_manager(None)
+    batch, aux, inputs, *_ = _fake_v2_batch(len(spec.dlite_config.target_layer_ids))
+    calls = []
+    original = spec.model.propose_drafts
+    monkeypatch.setattr(spec.model, "propose_drafts", lambda *a, **kw: calls.append(kw.get("k")) or original(*a, **kw))
+    assert _propose(spec, batch, aux, inputs, num_speculative_tokens=0).shape[0] == batch.num_reqs
+    assert calls == []
+    _propose(spec, batch, aux, inputs, num_speculative_tokens=2)
+    assert calls == [2]
 
 
 @pytest.mark.parametrize("G", [1, 2])

@@ -288,6 +288,11 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         n = input_batch.num_reqs
         if n == 0:
             return self.draft_tokens[:0]
+        if num_speculative_tokens is not None and int(num_speculative_tokens) <= 0:
+            # vLLM 0.34 asks for no drafts on steps whose drafts nobody would verify (skip_drafts:
+            # e.g. a prompt's non-final prefill chunks). DFlash still writes its draft KV then;
+            # DLite keeps no state, so there is nothing to do: no backbone pass.
+            return self.draft_tokens[:n]
         features, group_ids, group_lens, idx = self.gather_inputs(
             input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
             next_prefill_tokens,
