@@ -55,31 +55,9 @@ def module_name(path: Path, base: Path) -> str:
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the modules of ``root``'s package it imports (anywhere in its source). ``from p
-    import m`` imports the module ``p.m`` when there is one, else ``p``; a name is resolved to the
-    longest module it lies in. A package's ``__init__`` is the module ``p``."""
-    files = {module_name(f, root.parent): f for f in modules([root])}
-
-    def resolve(name: str) -> str | None:
-        while name and name not in files:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph = {}
-    for name, path in files.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets.update(resolve(a.name) for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-                targets.update(resolve(f"{base}.{a.name}") for a in node.names)
-        graph[name] = {t for t in targets if t is not None and t != name}
-    return graph
+    """Module -> the modules of ``root``'s package it imports (anywhere in its source): the
+    repository graph (:func:`repo_import_graph`) of that one package."""
+    return repo_import_graph(root.parent, (root.name,))
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from paths import DRAFTER_DIR, REPO
+from structured_tau import REGEX, SCHEMA, TOOLS  # the structured-output benchmark's cases (benchmarks/)
 
 requests = pytest.importorskip("requests")
 
@@ -50,13 +51,6 @@ FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-
 ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
        "TOKENIZERS_PARALLELISM": "false"}
 MESSAGES = [{"role": "user", "content": "Write a short Python function that reverses a string."}]
-TOOLS = [
-    {"type": "function", "function": {"name": name, "description": what, "parameters": {
-        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
-    for name, what in (("read_file", "Read a file"), ("list_dir", "List a directory"))
-]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
 LONG_PROMPT = [(i * 37) % 7000 + 100 for i in range(3000)]  # prefilled in 3 steps of <= 1,024
 LOGPROB_TOL = 1e-3
 
@@ -212,7 +206,7 @@ def test_json_schema(servers):
 
 
 def test_regex(servers):
-    pattern = r"(yes|no), [a-z]{3,8}\."
+    pattern = REGEX
     out = both(servers, temperature=0, structured_outputs={"regex": pattern}, max_tokens=24)
     assert re.fullmatch(pattern, content(out))
 
