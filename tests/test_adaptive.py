@@ -469,6 +469,7 @@ def sampled_job(models, method):
 
 
 @pytest.mark.slow
+@pytest.mark.v1  # dlite-adaptive / dlite-hybrid run on Model Runner V1 only
 @pytest.mark.parametrize("method", ["dlite-adaptive", "dlite-hybrid"])
 def test_greedy_identical_to_no_speculation(models, prompts, greedy, baseline, method):
     run, stats, _ = _run_job(models.target, *greedy_job(models, prompts, greedy, method))
@@ -485,6 +486,7 @@ def test_greedy_identical_to_no_speculation(models, prompts, greedy, baseline, m
 
 
 @pytest.mark.slow
+@pytest.mark.v1  # dlite-adaptive / dlite-hybrid run on Model Runner V1 only
 def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(models, prompts, greedy, baseline,
                                                                               monkeypatch):
     from vllm.v1.sample.rejection_sampler import RejectionSampler
@@ -524,6 +526,7 @@ def test_adaptive_proposes_nothing_when_drafting_cannot_pay_and_k_when_it_does(m
 
 
 @pytest.mark.slow
+@pytest.mark.v1  # dlite-adaptive / dlite-hybrid run on Model Runner V1 only
 def test_hybrid_uses_the_suffix_tree_on_repetitive_context_and_dlite_otherwise(models):
     """A prompt repeating one token (the tiny target keeps repeating it) is drafted by the suffix
     tree, whose score beats the random drafter's unsure head; a prompt without repeats has no match
@@ -547,6 +550,7 @@ def test_hybrid_uses_the_suffix_tree_on_repetitive_context_and_dlite_otherwise(m
 
 
 @pytest.mark.slow
+@pytest.mark.v1  # dlite-adaptive / dlite-hybrid run on Model Runner V1 only
 @pytest.mark.parametrize("method", ["dlite-adaptive", "dlite-hybrid"])
 def test_sampled_distribution_equals_target(models, method):
     """As ``test_vllm_sampling.py``: the joint of the first two sampled tokens over 2,000 requests
@@ -593,6 +597,7 @@ def _counters_from_engine_process(target, drafter, prompts, greedy) -> tuple[dic
 
 
 @pytest.mark.slow
+@pytest.mark.v1  # dlite-adaptive / dlite-hybrid run on Model Runner V1 only
 def test_counters_are_read_from_an_engine_in_its_own_process(models, prompts, greedy):
     """``collect_stats`` asks the workers by method name (``collective_rpc("dlite_drafting_stats")``),
     which works across processes; a function would need vLLM's insecure serialization."""
