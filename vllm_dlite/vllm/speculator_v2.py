@@ -288,7 +288,10 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         n = input_batch.num_reqs
         if n == 0:
             return self.draft_tokens[:0]
-        if num_speculative_tokens is not None and int(num_speculative_tokens) <= 0:
+        # this step's draft length (V2 may schedule fewer than num_speculative_steps)
+        k = self.num_speculative_steps if num_speculative_tokens is None else int(num_speculative_tokens)
+        k = max(0, min(k, self.num_speculative_steps))
+        if k == 0:
             # vLLM 0.34 asks for no drafts on steps whose drafts nobody would verify (skip_drafts:
             # e.g. a prompt's non-final prefill chunks). DFlash still writes its draft KV then;
             # DLite keeps no state, so there is nothing to do: no backbone pass.
@@ -297,9 +300,6 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
             next_prefill_tokens,
         )
-        # this step's draft length (V2 may schedule fewer than num_speculative_steps)
-        k = self.num_speculative_steps if num_speculative_tokens is None else int(num_speculative_tokens)
-        k = max(0, min(k, self.num_speculative_steps))
         temperatures = draft_temperatures(self.draft_logits is not None and not dummy_run, temperature, rows=idx)
         if temperatures is not None:
             # probabilistic drafting (eager): sampled rows draw from softmax(logits / T)
