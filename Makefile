@@ -6,7 +6,7 @@ PY034 := .venv-vllm034/bin/python
 # The engine checks that run on vLLM 0.34 (V2 only; V1-only tests skip themselves, see pytest.ini's v1 marker)
 VLLM034_TESTS := tests/test_runners.py tests/test_vllm_integration.py tests/test_vllm_sampling.py \
 	tests/test_tensor_parallel.py tests/test_shipped_models.py tests/test_sampling_matrix.py \
-	tests/test_serving_faults.py tests/test_session_replay.py tests/test_baselines.py tests/test_adaptive.py
+	tests/test_serving_faults.py tests/test_session_replay.py tests/test_baselines.py
 # CI's 0.34 subset: the shipped drafter lossless on 16 held-out turns, a random G=2 drafter lossless,
 # one greedy request to a vllm serve with DLite (against a plain server)
 VLLM034_CI := "tests/test_shipped_models.py::test_lossless_greedy_on_agentic_and_code_turns[v2]" \

@@ -10,10 +10,7 @@ Contract:
   (``vllm_dlite.train.workloads.replay``); ``--max-requests N`` keeps N of them spread evenly over the
   file (for slow machines; the default keeps all);
 * ``NAME@k`` in ``--methods`` is that method with ``k <= -k`` tokens per round (``dlite@3``), so that
-  fixed k's and the adaptive methods compare in one run;
-* ``dlite-adaptive`` / ``dlite-hybrid`` (``vllm_dlite.vllm.adaptive``) use the ``--dlite`` drafter;
-  their results add ``drafting_by_concurrency`` (the proposer's accepted/proposed tokens per
-  source, rounds by phase, the measured cost model) and a table in ``results.md``;
+  several k compare in one run;
 * ``--runner v1|v2``: vLLM's model runner (V2 on CPU through Triton's interpreter,
   ``lab.harness.runners``; the engine's real runner is checked and recorded in the settings);
 * each method runs in a FRESH vLLM engine, in a fresh process, per concurrency level
@@ -107,8 +104,8 @@ def parse_method(name: str) -> tuple[str, int | None]:
 
 
 def drafter_family(name: str) -> str:
-    """Whose checkpoint a method reads: ``dlite@3`` and ``dlite-adaptive`` -> ``dlite``."""
-    return parse_method(name)[0].split("-")[0]
+    """Whose checkpoint a method reads: ``dlite@3`` -> ``dlite``."""
+    return parse_method(name)[0]
 
 
 def default_drafter(method: str) -> Path:
@@ -183,7 +180,7 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
         spec = speculative_config(base, k or args.k, drafter)
     except MethodUnavailable as exc:
         return {"status": "unavailable", "reason": str(exc)}
-    per_concurrency, draft_rounds, request_spec, drafting = {}, [], [], {}
+    per_concurrency, draft_rounds, request_spec = {}, [], []
     for c in args.concurrency:
         opts = dict(dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, max_num_seqs=c,
                     temperature=args.temperature, max_tokens=args.max_tokens,
@@ -198,9 +195,6 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
             print(f"[{method}] failed at concurrency {c}: {exc!r}", flush=True)
             return {"status": "failed", "reason": f"concurrency {c}: {exc!r}"}
         per_concurrency[c] = res
-        if res.get("drafting"):  # dlite-adaptive / dlite-hybrid: per-source counters, phases, cost model
-            d = res["drafting"]
-            drafting[str(c)] = {k: d[k] for k in ("totals", "rounds", "rounds_by_phase", "cost_model")}
         if c == min(args.concurrency):  # DraftRound tuples: seconds, drafter_seconds, n, context, verifying
             draft_rounds = [d for d in res["draft_rounds"] if d[2] == 1] or list(res["draft_rounds"])
             request_spec = res.get("request_spec") or []
@@ -242,7 +236,6 @@ def run_method(args, method: str, prompts: list[list[int]], drafter: str | None)
             "per_request_rounds_match_histograms": [[sum(d > 0 for d, _ in r), sum(a for _, a in r)]
                                                     for r in rounds] == [p[1:] for p in points]}
            if rounds else {}),
-        **({"drafting_by_concurrency": drafting} if drafting else {}),
         "_outputs": {c: res["outputs"] for c, res in per_concurrency.items()},
     }
 
@@ -355,17 +348,6 @@ def write_markdown(path: Path, settings: dict, results: dict, concurrency: list[
             tau = "-" if b["tau"] is None else f"{b['tau']:.2f}"
             pos = " ".join(f"{p:.2f}" for p in b["tau_per_position"]) or "-"
             lines.append(f"| {m} | {name} | {b['requests']} | {b['drafts']:,} | {tau} | {pos} |")
-    adaptive = {m: r["drafting_by_concurrency"] for m, r in results.items() if r.get("drafting_by_concurrency")}
-    if adaptive:
-        lines += ["", "Adaptive / hybrid drafting (the proposer's counters, warm-up request included): accepted of "
-                  "proposed draft tokens by source, rounds without any draft:", "",
-                  "| method | concurrency | DLite | suffix tree | rounds (by phase) |", "| --- | --- | --- | --- | --- |"]
-        for m, by_c in adaptive.items():
-            for c, d in by_c.items():
-                t = d["totals"]
-                lines.append(f"| {m} | {c} | {t['dlite']['accepted']} / {t['dlite']['proposed']} | "
-                             f"{t['suffix']['accepted']} / {t['suffix']['proposed']} | {d['rounds']} "
-                             f"{d['rounds_by_phase']} |")
     lines += ["", f"Command: `{settings['command']}`", ""]
     for earlier in settings.get("earlier_commands", []):
         lines += [f"Merged from an earlier run with the same settings: `{earlier}`", ""]

@@ -360,8 +360,7 @@ def run_method(args, method: str, sessions: list[list[Turn]]) -> dict:
     from lab.harness.server import ServerStartError, VLLMServer
 
     try:
-        # variants named "<base>-<kind>" (e.g. dlite-adaptive) use the base method's drafter
-        spec = speculative_config(method, args.k, getattr(args, method.split("-")[0], None))
+        spec = speculative_config(method, args.k, getattr(args, method, None))
     except MethodUnavailable as exc:
         print(f"[{method}] unavailable: {exc}", flush=True)
         return {"status": "unavailable", "reason": str(exc)}

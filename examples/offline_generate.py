@@ -1,7 +1,7 @@
 """DLite in vLLM, offline: the same agent turns generated without speculation and with DLite.
 
     .venv/bin/python examples/offline_generate.py                 # `make demo`: tiny target, DLite drafter
-    .venv/bin/python examples/offline_generate.py --methods none,dlite,dlite-adaptive
+    .venv/bin/python examples/offline_generate.py --methods none,dlite,ngram
 
 Needs only vLLM and this plugin (``pip install -e .[cpu]``); ``--runner v2`` on a CPU also needs
 the repository's lab (``lab/harness/runners.py``: Model Runner V2 through Triton's interpreter).
@@ -58,7 +58,7 @@ def speculative_config(method: str, drafter: str, k: int | None) -> dict | None:
     if method == "none":
         return None
     spec = {"method": method}
-    if method.startswith("dlite") or method in ("eagle3", "dflash"):
+    if method == "dlite":
         spec["model"] = drafter
     if k is not None or method == "ngram":
         spec["num_speculative_tokens"] = k or 7
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=str(REPO / "models/dlite-qwen3-tiny-stdlib"))
     ap.add_argument("--workload", default=str(REPO / "benchmarks/workloads/heldout_agentic.jsonl"))
     ap.add_argument("--methods", default="none,dlite",
-                    help="comma-separated: none, dlite, dlite-adaptive, dlite-hybrid (V1 only), ngram")
+                    help="comma-separated: none, dlite, ngram")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-prompt-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=64)

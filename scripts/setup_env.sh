@@ -31,7 +31,7 @@ else
 fi
 pip install --no-deps "speculators==0.9.0"
 pip install -e ".[train,bench,dev]"
-# arctic-inference's suffix tree: dlite-hybrid's second draft source and the "suffix" baseline. PyPI
+# arctic-inference's suffix tree: the "suffix" baseline. PyPI
 # has only its source archive; the script builds it against this torch (a few minutes, once).
 bash scripts/install_suffix_decoding.sh
 if [ "$device" = cpu ]; then

@@ -117,7 +117,7 @@ def test_markdown_has_the_bucket_table_and_tolerates_merged_methods_without_it(t
 
 def test_method_at_k_names_a_fixed_k_variant_and_bad_ones_fail_before_any_engine(tmp_path, capsys):
     assert ab.parse_method("dlite@3") == ("dlite", 3)
-    assert ab.parse_method("dlite-adaptive") == ("dlite-adaptive", None)
+    assert ab.parse_method("dlite") == ("dlite", None)
     workload = tmp_path / "w.jsonl"
     workload.write_text("")
     for methods, message in (("none,dlite@9", "1 <= k <= -k"), ("none@2", "speculative method"),

@@ -291,17 +291,19 @@ def test_the_warning_reads_a_transformers_target_config_object():
     assert "the target's rope_theta = 1000000.0" in target_default_warning(without("rope_theta"), target)
 
 
-def test_vllm_draft_model_logs_it_once_at_load(tmp_path, caplog):
-    from vllm_dlite.vllm.draft_model import _warn_on_defaults
+def test_the_plugin_logs_it_once_at_config_time(tmp_path, caplog):
+    """The warning comes with the checkpoint's validation against the target (config time, in the
+    process that builds the config), not when a worker loads the drafter."""
+    from vllm_dlite.vllm.plugin import validate_dlite_checkpoint
 
     model = _drafter(full_config())
     d = save_pretrained(model, tmp_path / "d", dtype=torch.float32)
     cfg = json.loads((d / "config.json").read_text())
     del cfg["rope_theta"]
     (d / "config.json").write_text(json.dumps(cfg))
-    target = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(rope_theta=1000000.0))
+    target = {"hidden_size": H, "vocab_size": V, "num_hidden_layers": N, "rope_theta": 1000000.0}
     with caplog.at_level(logging.WARNING, logger="vllm.dlite"):
-        _warn_on_defaults(d, target)
+        validate_dlite_checkpoint(str(d), target)
     hits = [r for r in caplog.records if "rope_theta = 10000.0" in r.getMessage()]
     assert len(hits) == 1 and str(d) in hits[0].getMessage()
 

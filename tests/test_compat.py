@@ -147,17 +147,26 @@ def test_untested_vllm_leaves_other_runs_alone(tmp_path):
     assert "vllm-dlite supports vLLM 0.32.x" in (out.stdout + out.stderr)  # the one warning
 
 
-def test_without_model_runner_v1_adaptive_methods_are_refused_and_dlite_is_registered(monkeypatch):
-    """On a vLLM whose V1 groups do not hold (0.34), dlite-adaptive / dlite-hybrid fail at config time
-    with one message naming the fix; where the registry is in use, "dlite" stays "dlite"."""
+@pytest.mark.parametrize("version", ["0.32.0", "0.34.0"])
+def test_the_removed_methods_are_refused_at_config_time_with_the_fix(monkeypatch, version):
+    """dlite-adaptive / dlite-hybrid (V1-only, removed) fail at config time on every vLLM with one
+    message naming "dlite" and V2's adaptive verification."""
+    from paths import DRAFTER_DIR
+    from vllm_dlite.vllm import plugin
+
+    monkeypatch.setattr(compat, "installed_version", lambda: version)
+    for method in plugin.REMOVED_METHODS:
+        with pytest.raises(ValueError, match=f'"method": "{method}" was removed') as err:
+            plugin.prepare_speculative_config({"method": method, "model": str(DRAFTER_DIR)})
+        assert 'use "method": "dlite"' in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dlite_is_registered_where_the_registry_and_the_v2_speculator_hold(monkeypatch):
+    """Where the registry is in use (0.34), "dlite" stays "dlite"; elsewhere it maps to "dflash"."""
     from paths import DRAFTER_DIR
     from vllm_dlite.vllm import plugin
 
     monkeypatch.setattr(compat, "installed_version", lambda: "0.34.0")
-    for method in ("dlite-adaptive", "dlite-hybrid"):
-        with pytest.raises(ValueError, match="needs Model Runner V1, which vLLM 0.34.0 does not have") as err:
-            plugin.prepare_speculative_config({"method": method, "model": str(DRAFTER_DIR)})
-        assert "use 'method': 'dlite'" in str(err.value) and "\n" not in str(err.value)
     assert plugin.registry_in_use()  # 0.34.0: registry and V2 speculator (its 0.34 adapters) hold
     assert plugin.prepare_speculative_config({"method": "dlite", "model": str(DRAFTER_DIR)})["method"] == "dlite"
     monkeypatch.setattr(compat, "KNOWN_GROUPS", {**compat.KNOWN_GROUPS, "0.34.0": frozenset(

@@ -1,7 +1,7 @@
 """compat's groups checked statically against each vLLM release's own sources (no import).
 
 * Which groups hold on each release is what ``compat.KNOWN_GROUPS`` records (0.34 has no Model
-  Runner V1: its V1 proposer, adaptive hooks and CPU fixes have nothing to attach to).
+  Runner V1: its V1 proposer and CPU fixes have nothing to attach to).
 * The check is not vacuous: in a copy of each release's tree, renaming one function, one private
   attribute, one protocol name or one parameter the plugin relies on makes exactly the group that
   needs it fail, naming the symbol.

@@ -18,6 +18,7 @@ import ast
 import functools
 import json
 import textwrap
+import types
 from typing import Any, Callable
 
 import pytest
@@ -78,7 +79,9 @@ def _vllm_033_speculative_config() -> tuple[type, str]:
 def _config(directory) -> Any:
     from transformers import PretrainedConfig
 
-    return PretrainedConfig.from_dict(json.loads((directory / "config.json").read_text()))
+    config = PretrainedConfig.from_dict(json.loads((directory / "config.json").read_text()))
+    config.name_or_path = str(directory)  # as vLLM's loader sets it
+    return config
 
 
 def _old_one_argument_override(hf_config):
@@ -136,6 +139,9 @@ def test_dlite_draft_config_is_still_rewritten_on_0_33(vllm_033):
     cfg = DLiteConfig.from_checkpoint_config(json.loads((DRAFTER_DIR / "config.json").read_text()))
     assert hf.architectures == [DRAFT_ARCHITECTURE]
     assert hf.eagle_aux_hidden_state_layer_ids == cfg.aux_layer_ids and hf.mask_token_id == cfg.mask_token_id
+    from vllm_dlite.vllm.draft_model import checked_checkpoint
+
+    assert checked_checkpoint(types.SimpleNamespace(hf_config=hf)) == (DRAFTER_DIR, cfg)  # for the workers
 
 
 def test_installed_vllm_one_argument_call_still_works(monkeypatch):

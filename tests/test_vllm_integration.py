@@ -625,6 +625,71 @@ def test_v2_speculator_on_cpu_with_fake_batch(models, g2, G):
         assert values[1].abs().sum() == 0, release  # untouched request state
 
 
+def adaptive_verification_check(target: str, drafter_dir: str) -> dict:
+    """In a V2 process (vLLM's estimator kernels are Triton: the harness's interpreter): a
+    DLiteSpeculator with vLLM's OnlineAcceptanceEstimator in place (what load_model builds when
+    ``enable_adaptive_verification`` is on; vLLM refuses the option on CPU before that, for want
+    of CUDA graphs) drafts the fake batch, eagerly and through the graph step."""
+    from types import MethodType, SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.acceptance_estimator import OnlineAcceptanceEstimator
+
+    spec, drafter = _v2_speculator(SimpleNamespace(target=Path(target)), Path(drafter_dir))
+    spec.init_cudagraph_manager(None)
+    K, G = spec.num_speculative_steps, spec.dlite_config.anchor_group_size
+    batch, aux, inputs, feats, previous, anchors = _fake_v2_batch(len(spec.dlite_config.target_layer_ids))
+    plain = _propose(spec, batch, aux, inputs).clone()  # adaptive verification off
+    temps = torch.zeros(8)
+    temps[0] = 0.7  # req1 (state 0) samples; greedy rows count as T = 1 in the estimator
+    spec.acceptance_estimator = OnlineAcceptanceEstimator(spec.max_num_reqs, K, spec.device)
+    spec.draft_token_confidence_probs.fill_(-1.0)
+    drafts = _propose(spec, batch, aux, inputs, temps).clone()
+    eager = spec.draft_token_confidence_probs[:3].clone()
+    # vLLM's estimator on the offline drafter's logits, position by position
+    group = anchors[:, None] if G == 1 else torch.stack([previous, anchors], dim=1)
+    logits = drafter.draft(feats, group).logits  # [3, K, V]
+    reference = OnlineAcceptanceEstimator(spec.max_num_reqs, K, spec.device)
+    want = torch.full((8, K), -1.0)
+    for j in range(K):
+        reference.predict(logits[:, j].contiguous(), batch.idx_mapping, torch.tensor(j, dtype=torch.int32),
+                          want, temps)
+    # a step with 2 speculative tokens: 2 positions estimated, the rest not drafted (0)
+    spec.draft_token_confidence_probs.fill_(-1.0)
+    _propose(spec, batch, aux, inputs, temps, num_speculative_tokens=2)
+    short = spec.draft_token_confidence_probs[:3].clone()
+    # the graph step (replayed here by running the captured function itself)
+    graphs = SimpleNamespace(draft_graphs={4: SimpleNamespace(replay=lambda: spec._draft_static(4))})
+    graphs.padded_size = lambda n: 4
+    spec.graphs = graphs
+    spec.draft_token_confidence_probs.fill_(-1.0)
+    graphed_drafts = _propose(spec, batch, aux, inputs, temps).clone()
+    graphed = spec.draft_token_confidence_probs[:4].clone()
+    return dict(drafts_unchanged=torch.equal(drafts, plain), graphed_drafts_unchanged=torch.equal(graphed_drafts, plain),
+                eager=eager, want=want[:3], short=short, graphed=graphed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("G", [1, 2])
+def test_v2_adaptive_verification_reads_the_head_distribution(models, g2, G):
+    """``"enable_adaptive_verification": true`` with DLite: the speculator feeds vLLM's acceptance
+    estimator the sequential head's logits at every draft position, so vLLM's runner can choose the
+    draft slots it verifies. The drafts are the same with it as without (what verification does
+    with them is vLLM's rejection sampler: lossless); the confidences are the estimator's own
+    prediction from the offline drafter's logits, with each request's state and temperature;
+    positions a short step did not draft read 0; a padded graph row (request state -1) is skipped."""
+    from lab.harness.runners import call_with_runner
+
+    out = call_with_runner("v2", "test_vllm_integration:adaptive_verification_check", str(models.target),
+                           str(models.drafter if G == 1 else g2["random"]))
+    assert out["drafts_unchanged"] and out["graphed_drafts_unchanged"]
+    assert ((out["eager"] > 0) & (out["eager"] < 1)).all()
+    torch.testing.assert_close(out["eager"], out["want"])
+    torch.testing.assert_close(out["short"][:, :2], out["want"][:, :2])
+    assert (out["short"][:, 2:] == 0).all()
+    torch.testing.assert_close(out["graphed"][:3], out["want"])
+    assert (out["graphed"][3] == -1).all()  # the padding row: not a request, not estimated
+
+
 @pytest.mark.parametrize("G", [1, 2])
 def test_v2_graph_step_over_static_buffers(models, g2, G):
     """The CUDA-graph path without the GPU: capture sizes, a batch padded to the next captured size,

@@ -349,23 +349,17 @@ def replay_once(target: str | Path, spec: dict | None, prompts: list[list[int]],
                                           for i in range(0, len(chosen), step)])
             by_level[label] = dict(summary=r.summary(), outputs=r.outputs, draft_rounds=timer.records,
                                    request_spec=r.request_spec)
-        drafting = None
-        if spec is not None and spec.get("method") in ("dlite-adaptive", "dlite-hybrid"):
-            from vllm_dlite.vllm.adaptive import collect_stats
-
-            drafting = collect_stats(llm)  # per-source counters, rounds by phase, cost model (warm-up included)
     finally:
         shutdown(llm)
     if opts.get("levels"):
-        return dict(levels=by_level, drafting=drafting, runner=runner)
-    return dict(**by_level[None], drafting=drafting, runner=runner)
+        return dict(levels=by_level, runner=runner)
+    return dict(**by_level[None], runner=runner)
 
 
 def replay_in_fresh_process(target: str | Path, spec: dict | None, prompts: list[list[int]], opts: dict) -> dict:
     """:func:`replay_once` in a fresh process set up for ``opts["runner"]`` (``"v1"``, the default, or
     ``"v2"``: :mod:`lab.harness.runners`). Returns ``{summary, outputs, draft_rounds, request_spec,
-    drafting, runner}`` (``drafting``: dlite-adaptive / dlite-hybrid counters, else None; ``runner``:
-    the model runner the engine really used)."""
+    runner}`` (``runner``: the model runner the engine really used)."""
     from lab.harness.runners import call_with_runner
 
     return call_with_runner(opts.get("runner", "v1"), "lab.harness.replay:replay_once", str(target), spec,

@@ -154,11 +154,13 @@ def _key_map(keys: list[str], expected: set[str]) -> tuple[dict[str, str], list[
     return {k: k[len(prefix):] for k in keys}, ignored
 
 
-def check_checkpoint(directory: PathLike) -> DLiteConfig:
+def check_checkpoint(directory: PathLike,
+                     parsed: Optional[tuple[dict[str, Any], DLiteConfig]] = None) -> DLiteConfig:
     """Check config.json and every safetensors header against each other WITHOUT reading tensor
     data: complete files, every tensor present with its shape, none unexpected, float dtypes.
-    Raises one :class:`CheckpointError` naming the file(s), every problem and the fix."""
-    raw, config = read_checkpoint_config(directory)
+    ``parsed``: what :func:`read_checkpoint_config` already returned (config.json is not read
+    again). Raises one :class:`CheckpointError` naming the file(s), every problem and the fix."""
+    raw, config = parsed or read_checkpoint_config(directory)
     expected = expected_shapes(config)
     stored: dict[str, tuple[Path, dict]] = {}
     files = weight_files(directory)
@@ -193,14 +195,17 @@ def check_checkpoint(directory: PathLike) -> DLiteConfig:
 
 # =========================================================================== load / save
 def load_drafter(path: PathLike, device: Union[str, torch.device] = "cpu",
-                 dtype: Optional[torch.dtype] = None, revision: Optional[str] = None) -> DLiteDrafter:
+                 dtype: Optional[torch.dtype] = None, revision: Optional[str] = None,
+                 config: Optional[DLiteConfig] = None) -> DLiteDrafter:
     """The one loader: checkpoint directory or hub id -> :class:`DLiteDrafter` (eval mode).
-    ``dtype=None`` keeps the stored dtype. Call ``bind_target`` next."""
+    ``dtype=None`` keeps the stored dtype. ``config``: the checkpoint's config, already checked
+    (:func:`check_checkpoint`; vLLM's workers get it from the config step), so config.json is not
+    read again. Call ``bind_target`` next."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     directory = resolve_checkpoint_dir(path, revision)
-    config = check_checkpoint(directory)
+    config = config or check_checkpoint(directory)
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(directory):
         try:

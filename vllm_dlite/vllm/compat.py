@@ -16,7 +16,7 @@ touches private names. They are all listed in :data:`GROUPS`:
   ``DraftLogitsCache``), checked where it exists; where it does not, the adapter's older path is used.
 
 A group that does not hold turns off only its features (:func:`group_problems`): a vLLM without
-Model Runner V1 (0.34) loses the V1 proposer, the adaptive/hybrid hooks and the CPU fixes, not the
+Model Runner V1 (0.34) loses the V1 proposer and the CPU fixes, not the
 plugin. Only :data:`CORE` is required for the plugin to hook anything.
 
 :func:`check` checks the installed vLLM at run time (imports; signatures by :mod:`inspect`);
@@ -137,28 +137,6 @@ V1_RUNNER = Group("v1 runner", "Model Runner V1 (vLLM's CPU runner): the DLite p
          attrs=("query_start_loc", "query_start_loc_cpu", "batch_size")),
 ))
 
-V1_ADAPTIVE = Group("v1 adaptive hooks", "\"dlite-adaptive\" / \"dlite-hybrid\" (Model Runner V1)", needs=(
-    Need("v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids",
-         ("self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states, "
-          "aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings",),
-         use="wrapped: rounds nobody drafts"),
-    Need("v1.worker.gpu_model_runner", "GPUModelRunner._sample", ("self, logits, spec_decode_metadata",),
-         use="wrapped: steps without drafts"),
-    Need("v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", ("self",),
-         use="relied on: passes list drafts"),
-    Need("v1.worker.gpu_model_runner", "GPUModelRunner._copy_draft_token_ids_to_cpu",
-         ("self, scheduler_output, zeros_only=",), use="relied on: passes list drafts"),
-    Need("v1.spec_decode.metadata", "SpecDecodeMetadata", attrs=("num_draft_tokens", "max_spec_len")),
-    Need("v1.core.sched.output", "SchedulerOutput", attrs=("num_spec_tokens_to_schedule",)),
-    Need("v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", ("self, draft_token_ids",),
-         use="relied on: per-request draft lengths"),
-    Need("v1.worker.gpu_input_batch", "InputBatch", attrs=("num_prompt_tokens", "req_id_to_index", "req_ids"),
-         use="read: hybrid's suffix context, as vLLM's suffix method"),
-    Need("v1.worker.worker_base", "WorkerBase", use="method added: dlite_drafting_stats"),
-    Need("v1.worker.worker_base", "WorkerWrapperBase.__getattr__", ("self, attr",),
-         use="relied on: forwards that method"),
-))
-
 V2_RUNNER = Group("v2 runner", "Model Runner V2 (vLLM's GPU default): the DLite speculator", needs=(
     Need("v1.worker.gpu.spec_decode", "init_speculator", ("vllm_config, device, req_states",),
          use="wrapped: returns DLiteSpeculator (req_states: the token history, G > 2)"),
@@ -168,12 +146,19 @@ V2_RUNNER = Group("v2 runner", "Model Runner V2 (vLLM's GPU default): the DLite 
          use="protocol: the runner builds its speculator through init_speculator"),
     Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.__init__", ("self, vllm_config, device",),
          attrs=("draft_logits", "num_speculative_steps", "draft_tokens", "max_num_reqs", "dtype",
-                "enable_adaptive_verification", "use_acceptance_estimator", "draft_watermarker",
+                "acceptance_estimator", "draft_token_confidence_probs", "idx_mapping", "temperature",
+                "draft_watermarker",
                 "draft_model_config", "vllm_config", "device", "model", "model_state", "kv_cache_config",
                 "block_tables", "target_input_buffers", "target_attn_groups", "supports_decode_metadata_update",
                 "speculative_config"),
          use="subclassed: DLiteSpeculator (draft_logits: a tensor on 0.32-0.33, a DraftLogitsCache on 0.34, "
              "adapter 'draft logits cache')"),
+    Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator._copy_request_inputs",
+         ("self, num_reqs, idx_mapping, temperature, seeds, dummy_run=",),
+         use="called: the acceptance estimator's request states and temperatures (adaptive verification)"),
+    Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator._maybe_predict_acceptance",
+         ("self, logits, idx_mapping, draft_step",),
+         use="called: the head's logits per draft position -> draft_token_confidence_probs"),
     Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.load_draft_model",
          ("self, target_model, target_attn_layer_names",)),
     Need("v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.set_attn",
@@ -238,7 +223,7 @@ V2_REGISTRY = Group("v2 registry", "\"dlite\" through vLLM's speculator registry
          use="protocol: builds speculator_class, passing req_states when its constructor takes it"),
 ))
 
-GROUPS: tuple[Group, ...] = (CORE, V1_RUNNER, V1_ADAPTIVE, V2_RUNNER, CPU_FIXES, V2_REGISTRY)
+GROUPS: tuple[Group, ...] = (CORE, V1_RUNNER, V2_RUNNER, CPU_FIXES, V2_REGISTRY)
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 
 # What holds on each release (checked against the wheels' sources by tests/test_compat_sources.py;
@@ -286,8 +271,8 @@ ADAPTERS: tuple[Adapter, ...] = (
             "vLLM calls SpeculativeConfig.hf_config_override(hf_config, transformers_mtp_overrides=...); "
             "the plugin's replacement (plugin.dlite_hf_config_override) passes *args/**kwargs through"),
     Adapter("hooks by group", ("0.34",),
-            "0.34 has no Model Runner V1: the V1 proposer, the adaptive/hybrid hooks and the CPU fixes are "
-            "not installed (their groups do not hold); dlite-adaptive / dlite-hybrid are refused with one message"),
+            "0.34 has no Model Runner V1: the V1 proposer and the CPU fixes are not installed (their groups "
+            "do not hold)"),
     Adapter("speculator registry", ("0.34",),
             "registry_v034.DLiteSpeculatorConfig registered with register_speculative_method (group 'v2 registry'), "
             "replacing the init_speculator wrapper and the dlite -> dflash mapping; registered only where "
@@ -592,6 +577,6 @@ def check(groups: Optional[Iterable[Union[str, Group]]] = None) -> list[str]:
 
 
 __all__ = ["ADAPTERS", "CORE", "CPU_FIXES", "GROUPS", "V2_REGISTRY", "KNOWN_GROUPS", "holding_groups", "SUPPORTED_VLLM_SERIES",
-           "V1_ADAPTIVE", "V1_RUNNER", "V2_RUNNER", "Group", "Need", "check", "check_need", "format_signature",
+           "V1_RUNNER", "V2_RUNNER", "Group", "Need", "check", "check_need", "format_signature",
            "graph_manager_decode_query", "group_problems", "installed_version", "resolve", "series_of", "supported",
            "unsupported_message", "write_draft_logits"]

@@ -4,7 +4,9 @@ vLLM builds it through its model registry and loader (``get_model``) like any dr
 thin wrapper around :class:`vllm_dlite.model.DLiteDrafter`:
 
 * **Loading** goes through the one loader, :func:`vllm_dlite.model.load_drafter`, in ``__init__``
-  (vLLM constructs the model on the target device and dtype). ``load_weights`` does not read
+  (vLLM constructs the model on the target device and dtype), with the checkpoint's directory and
+  config as the config step validated them (:func:`vllm_dlite.vllm.plugin.checked_checkpoint`:
+  config.json is not parsed again). ``load_weights`` does not read
   vLLM's weight iterator again; it reports every parameter as loaded.
 * **Shared with the target**: its token embedding and its final norm (dlite_v1 never uses the
   target's lm_head). :meth:`bind_target_model`, called by the proposer after the target is loaded,
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -35,17 +38,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dlite.config import DLiteConfig
-from vllm_dlite.model import DLiteDrafter, load_drafter, read_checkpoint_config, resolve_checkpoint_dir
+from vllm_dlite.model import DLiteDrafter, load_drafter
 from vllm_dlite.ops.sampling import greedy_rows_as
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
 
-def checkpoint_config(draft_model_config) -> DLiteConfig:
-    """The :class:`~vllm_dlite.config.DLiteConfig` of vLLM's draft ``ModelConfig`` (read from its
-    checkpoint's config.json): what the V1 proposer and the V2 speculator size themselves by."""
-    directory = resolve_checkpoint_dir(draft_model_config.model, getattr(draft_model_config, "revision", None))
-    return read_checkpoint_config(directory)[1]
+CHECKPOINT_ATTR = "dlite_checkpoint"  # on the draft hf_config: {"directory", "config"} (plain data: it pickles)
+
+
+def checked_checkpoint(draft_model_config) -> tuple[Path, DLiteConfig]:
+    """``(directory, DLiteConfig)`` that the config step validated and put on vLLM's draft
+    ``ModelConfig`` (its ``hf_config`` travels to every worker): what the draft model and both
+    proposers size themselves by, without reading config.json."""
+    carried = getattr(draft_model_config.hf_config, CHECKPOINT_ATTR, None)
+    if not isinstance(carried, dict):
+        raise RuntimeError(
+            "the draft model config carries no validated DLite checkpoint: it was built without "
+            "vllm_dlite's plugin (install vllm-dlite in every environment vLLM runs in, so that "
+            "vLLM loads the 'vllm.general_plugins' entry point)")
+    return Path(carried["directory"]), DLiteConfig(**carried["config"])
 
 
 class DFlashDLiteDraftModel(nn.Module):
@@ -61,11 +73,10 @@ class DFlashDLiteDraftModel(nn.Module):
             )
         draft_cfg = spec.draft_model_config
         self.config = draft_cfg.hf_config
-        directory = resolve_checkpoint_dir(draft_cfg.model, getattr(draft_cfg, "revision", None))
+        directory, self.dlite_config = checked_checkpoint(draft_cfg)  # validated at config time
         device = vllm_config.device_config.device
-        self.drafter: DLiteDrafter = load_drafter(directory, device=device, dtype=draft_cfg.dtype)
-        self.dlite_config = self.drafter.config
-        _warn_on_defaults(directory, vllm_config.model_config)
+        self.drafter: DLiteDrafter = load_drafter(directory, device=device, dtype=draft_cfg.dtype,
+                                                  config=self.dlite_config)
         self.checkpoint_dir = directory
         self.prefix = prefix
 
@@ -173,22 +184,6 @@ class DFlashDLiteDraftModel(nn.Module):
         return {name for name, _ in self.named_parameters()}
 
 
-def _warn_on_defaults(directory, target_model_config) -> Optional[str]:
-    """Log one warning when a key the drafter's config.json leaves out takes the authors' default
-    (transformers 4.57 ``Qwen3Config``) while the target's config says otherwise (e.g. rope_theta
-    10,000 beside the target's 1e6). Returns the message (None when nothing disagrees)."""
-    from vllm_dlite.config import target_default_warning
-
-    target = getattr(target_model_config, "hf_text_config", None) or getattr(target_model_config, "hf_config", None)
-    if target is None:
-        return None
-    message = target_default_warning(read_checkpoint_config(directory)[0], target,
-                                     where=f"the DLite drafter {directory}")
-    if message:
-        logger.warning("%s", message)
-    return message
-
-
 def _full_weight(module: Optional[nn.Module], name: str) -> torch.Tensor:
     """The target's ``[V_padded, H]`` token embedding over the WHOLE vocabulary, rows in
     token-id order. Unsharded: the weight itself (no copy). Vocabulary-parallel (TP > 1): every
@@ -225,4 +220,4 @@ def _weight(module: Optional[nn.Module], name: str) -> torch.Tensor:
     return weight
 
 
-__all__ = ["DFlashDLiteDraftModel", "checkpoint_config"]
+__all__ = ["CHECKPOINT_ATTR", "DFlashDLiteDraftModel", "checked_checkpoint"]

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-METHODS = ("none", "ngram", "suffix", "eagle3", "dflash", "dlite", "dlite-adaptive", "dlite-hybrid")
-DRAFTER_METHODS = ("eagle3", "dflash", "dlite", "dlite-adaptive", "dlite-hybrid")  # need a checkpoint
+METHODS = ("none", "ngram", "suffix", "eagle3", "dflash", "dlite")
+DRAFTER_METHODS = ("eagle3", "dflash", "dlite")  # need a checkpoint
 
 
 class MethodUnavailable(RuntimeError):
@@ -45,7 +45,7 @@ def speculative_config(method: str, k: int, drafter: str | Path | None = None) -
                 f"suffix decoding needs the arctic-inference package ({exc}); PyPI has only its source "
                 "archive: build and install it with bash scripts/install_suffix_decoding.sh") from None
         return {"method": "suffix", "num_speculative_tokens": k}
-    if method in DRAFTER_METHODS:  # dlite-*: the dlite drafter
+    if method in DRAFTER_METHODS:
         if drafter is None or not Path(drafter).is_dir():
             raise MethodUnavailable(f"{method}: drafter checkpoint directory {drafter!r} not found")
         return {"method": method, "model": str(drafter), "num_speculative_tokens": k}

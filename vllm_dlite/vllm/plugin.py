@@ -22,22 +22,19 @@ configs. It is idempotent and does five things:
    is what later selects the DLite proposer, so ``{"method": "dflash", "model": <dlite dir>}``
    works too. On 0.34 ``"dlite"`` stays a method of its own, registered in vLLM's speculator
    registry (:mod:`vllm_dlite.vllm.registry_v034`).
-   More methods on the same checkpoint come from **extensions** (:func:`extensions`: today
-   :mod:`vllm_dlite.vllm.adaptive`, registered through its one ``register()``): they map the same
-   way, and what an extension's config step returns reaches the workers in
-   ``VllmConfig.additional_config``.
+   ``"dlite-adaptive"`` / ``"dlite-hybrid"`` (V1-only, removed: :data:`REMOVED_METHODS`) fail
+   here with one message naming ``"dlite"``.
 4. **Runner hooks** (installed when the runner module is imported, so the front end does not pay
    for importing worker code):
 
    * Model Runner V1 (CPU, and GPUs without V2): after ``GPUModelRunner.__init__`` (which
      ``CPUModelRunner`` calls), ``self.drafter`` is replaced by
-     :class:`vllm_dlite.vllm.proposer_v1.DLiteProposer` (or an extension's subclass of it) when
-     the draft architecture is DLite.
+     :class:`vllm_dlite.vllm.proposer_v1.DLiteProposer` when the draft architecture is DLite.
    * Model Runner V2 (GPU default): ``vllm.v1.worker.gpu.model_runner.init_speculator`` (bound by
      name at import) is wrapped to return
      :class:`vllm_dlite.vllm.speculator_v2.DLiteSpeculator` for a DLite draft (0.32-0.33; on 0.34
      the speculator registry builds it, and nothing is wrapped).
-   * the hooks that :mod:`vllm_dlite.vllm.cpu_fixes` and the extensions hand over.
+   * the hooks that :mod:`vllm_dlite.vllm.cpu_fixes` hands over.
 
    Every hook names the compat group it needs and is installed only where that group holds.
 5. **vLLM CPU fixes** (:mod:`vllm_dlite.vllm.cpu_fixes`): applied to CPU model runners of engines
@@ -55,7 +52,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from vllm_dlite.vllm import compat, cpu_fixes
 
@@ -65,6 +62,9 @@ SUPPORTED_VLLM_SERIES = compat.SUPPORTED_VLLM_SERIES
 DLITE_METHOD = "dlite"
 VLLM_METHOD = "dflash"  # vLLM's parallel-drafting path that DLite rides on
 _WRAPPED = "__dlite_wrapped__"
+# V1-only methods of earlier releases (no gain measured: 0.99x / 1.01x of no speculation on held-out
+# sessions); vLLM's V2 adaptive verification sizes verification per request instead
+REMOVED_METHODS = ("dlite-adaptive", "dlite-hybrid")
 
 _registered = False
 
@@ -117,7 +117,7 @@ def _guard_dlite_method() -> None:
     @functools.wraps(original)
     def create_speculative_config(self, *args, **kwargs):
         spec = self.speculative_config or {}
-        methods = dlite_methods()
+        methods = (DLITE_METHOD, *REMOVED_METHODS)
         if spec.get("method") in methods or getattr(self, "spec_method", None) in methods:
             raise RuntimeError(compat.unsupported_message())
         return original(self, *args, **kwargs)
@@ -168,13 +168,6 @@ def _patch_engine_args() -> None:
             self.speculative_config = prepare_speculative_config(
                 self.speculative_config, target_model_config
             )
-            # what the extensions' config step returned: the workers read it from additional_config
-            for key in _additional_config_keys():
-                value = self.speculative_config.pop(key, None)
-                if value is not None:
-                    if not isinstance(self.additional_config, dict):
-                        self.additional_config = dict(self.additional_config or {})
-                    self.additional_config[key] = value
         return original(self, target_model_config, target_parallel_config)
 
     setattr(create_speculative_config, _WRAPPED, True)
@@ -191,7 +184,7 @@ def _patch_engine_args() -> None:
                 if action.dest == "spec_method" and action.choices is not None:
                     choices = list(action.choices)
                     if DLITE_METHOD not in choices:
-                        action.choices = [*dlite_methods(), *choices]
+                        action.choices = [DLITE_METHOD, *choices]
             return parser
 
         setattr(add_cli_args_with_dlite, _WRAPPED, True)
@@ -233,22 +226,32 @@ def _target_sizes(target_model_config: Any) -> dict[str, Any]:
     }
 
 
+# checkpoint (as given, and its directory) -> (directory, validated config), parsed at config time
+# in this process: the draft hf_config override reads it from here instead of parsing config.json
+_CHECKED: dict[str, tuple[Path, Any]] = {}
+
+
 def validate_dlite_checkpoint(
     model: str,
     target_model_config: Any = None,
     num_speculative_tokens: Optional[int] = None,
     revision: Optional[str] = None,
+    raw: Optional[dict[str, Any]] = None,
 ):
-    """Check a DLite checkpoint (``dlite_v1``) and its fit to the target at config time.
+    """Check a DLite checkpoint (``dlite_v1``) and its fit to the target at config time: the one
+    place its config.json is parsed (``raw``: already read by the caller).
 
     Returns ``(checkpoint_dir, DLiteConfig)``. Raises ``FileNotFoundError`` /
-    ``NotADirectoryError`` / ``ValueError`` with one message naming the fix. Reads config.json and
-    the safetensors headers only.
+    ``NotADirectoryError`` / ``ValueError`` with one message naming the fix; logs one warning when
+    a key config.json leaves out takes the authors' default against the target's value. Reads
+    config.json and the safetensors headers only.
     """
-    from vllm_dlite.model import check_checkpoint, resolve_checkpoint_dir
+    from vllm_dlite.config import DLiteConfig, target_default_warning
+    from vllm_dlite.model import check_checkpoint, read_checkpoint_config, resolve_checkpoint_dir
 
     directory = resolve_checkpoint_dir(model, revision)
-    cfg = check_checkpoint(directory)  # config.json + every tensor's name/shape/dtype
+    parsed = read_checkpoint_config(directory) if raw is None else (raw, DLiteConfig.from_checkpoint_config(raw))
+    cfg = check_checkpoint(directory, parsed)  # every tensor's name/shape/dtype against config.json
     K = cfg.num_draft_tokens
     if num_speculative_tokens is not None and not 1 <= num_speculative_tokens <= K:
         raise ValueError(
@@ -264,6 +267,12 @@ def validate_dlite_checkpoint(
                              where=f"target {t['name']!r}" if t["name"] else "the target")
         except ValueError as exc:
             raise ValueError(f"DLite checkpoint {directory}: {exc}") from None
+        target = target_model_config if isinstance(target_model_config, dict) else (
+            getattr(target_model_config, "hf_text_config", None) or getattr(target_model_config, "hf_config", None))
+        message = target_default_warning(parsed[0], target, where=f"the DLite drafter {directory}")
+        if message:
+            logger.warning("%s", message)
+    _CHECKED[str(directory)] = _CHECKED[str(model)] = (directory, cfg)
     return directory, cfg
 
 
@@ -271,16 +280,23 @@ def dlite_hf_config_override(hf_config: Any, *args: Any, **kwargs: Any) -> Any:
     """vLLM's ``SpeculativeConfig.hf_config_override`` plus, for a dlite_v1 draft config, what
     vLLM needs to serve it on its parallel-drafting path: ``architectures`` = the DLite draft
     model, ``eagle_aux_hidden_state_layer_ids`` = the aux ids to capture (target layer j -> j+1),
-    top-level ``mask_token_id``. The user's checkpoint files are not touched.
+    top-level ``mask_token_id``, and the checkpoint's directory and the config validated at config
+    time (``draft_model.CHECKPOINT_ATTR``), which the workers read
+    (:func:`vllm_dlite.vllm.draft_model.checked_checkpoint`) instead of parsing config.json again. The user's checkpoint files are not touched.
 
     Every other argument goes to vLLM's own override unchanged: 0.32 takes ``hf_config`` only,
     0.33 and later also ``transformers_mtp_overrides`` (positional or keyword), and this function
     replaces vLLM's for every draft-model method (EAGLE-3, DFlash, ...), not only DLite."""
-    from vllm_dlite.config import DRAFT_ARCHITECTURE, DLiteConfig, is_dlite_config
+    from vllm_dlite.config import DRAFT_ARCHITECTURE, is_dlite_config
+    from vllm_dlite.vllm.draft_model import CHECKPOINT_ATTR
 
     hf_config = _original_hf_config_override()(hf_config, *args, **kwargs)
     if is_dlite_config(hf_config):
-        cfg = DLiteConfig.from_checkpoint_config(hf_config.to_dict())
+        model = str(getattr(hf_config, "name_or_path", "") or "")
+        if model not in _CHECKED:  # a SpeculativeConfig built without the engine-args step: validate here
+            validate_dlite_checkpoint(model)
+        directory, cfg = _CHECKED[model]
+        setattr(hf_config, CHECKPOINT_ATTR, {"directory": str(directory), "config": cfg.to_dict()})
         hf_config.architectures = [DRAFT_ARCHITECTURE]
         hf_config.eagle_aux_hidden_state_layer_ids = cfg.aux_layer_ids
         hf_config.mask_token_id = cfg.mask_token_id
@@ -317,12 +333,23 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     checkpoint validated against ``target_model_config``. A ``dflash`` config whose model is a
     DLite checkpoint is validated the same way.
     """
+    from vllm_dlite.config import is_dlite_config
+
     spec = {str(k).replace("-", "_"): v for k, v in spec.items()}
     method = spec.get("method")
     model = spec.get("model")
-    is_dlite = method in dlite_methods()
+    raw = None  # config.json of a "dflash" model, read once to see whether it is DLite's
+    if method in REMOVED_METHODS:
+        raise ValueError(
+            f'"method": "{method}" was removed from vllm-dlite (it ran on Model Runner V1 only and '
+            'gained nothing measurable): use "method": "dlite"; on Model Runner V2, '
+            '"enable_adaptive_verification": true sizes each request\'s verification from the draft '
+            "head's confidence"
+        )
+    is_dlite = method == DLITE_METHOD
     if not is_dlite and method in (None, VLLM_METHOD) and model is not None:
-        is_dlite = _local_checkpoint_is_dlite(model)
+        raw = _local_config(model)
+        is_dlite = is_dlite_config(raw)
     if not is_dlite:
         return spec
     if model is None:
@@ -335,10 +362,9 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
         target_model_config,
         spec.get("num_speculative_tokens"),
         spec.get("revision"),
+        raw,
     )
     out = dict(spec)
-    for extension in extensions():  # validated now; carried to the workers by the engine-args wrapper
-        out.update(extension.prepare(method, out))
     # 0.34+: the registered "dlite" (registry_v034); before: vLLM's parallel-drafting path
     out["method"] = DLITE_METHOD if registry_in_use() else VLLM_METHOD
     out["model"] = str(directory) if Path(str(model)).exists() else model
@@ -363,56 +389,13 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     return out
 
 
-def _local_checkpoint_is_dlite(model: Any) -> bool:
-    from vllm_dlite.config import is_dlite_config
-
+def _local_config(model: Any) -> Optional[dict[str, Any]]:
+    """config.json of a local checkpoint directory (None: not one, or unreadable)."""
     path = Path(os.path.expanduser(str(model))) / "config.json"
     try:
-        return is_dlite_config(json.loads(path.read_text()))
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-
-
-# =========================================================================== extensions
-class Extension(Protocol):
-    """More speculative methods on the DLite checkpoint, served on the same path (an extension
-    module's ``register()`` returns one; :mod:`vllm_dlite.vllm.adaptive` is the one there is)."""
-
-    methods: tuple[str, ...]  # method names that mean "a DLite checkpoint", besides "dlite"
-    additional_config_keys: tuple[str, ...]  # keys prepare() returns (moved to additional_config)
-    hooks: tuple[tuple[str, str, Callable], ...]  # (vLLM module, compat group it needs, hook)
-
-    def prepare(self, method: Optional[str], spec: dict[str, Any]) -> dict[str, Any]:
-        """Every DLite speculative config, after its checkpoint is validated: pops the extension's
-        own keys from ``spec``; returns entries for ``VllmConfig.additional_config``."""
-
-    def v1_proposer(self, vllm_config: Any) -> Optional[type]:
-        """The Model Runner V1 proposer class (a DLiteProposer subclass) for this engine, or None."""
-
-    def check_v2(self, vllm_config: Any) -> None:
-        """Raises (with the fix) when this engine cannot run on Model Runner V2."""
-
-
-_extensions: Optional[list[Extension]] = None
-
-
-def extensions() -> list[Extension]:
-    """The registered extensions (loaded once, on first use)."""
-    global _extensions
-    if _extensions is None:
-        from vllm_dlite.vllm import adaptive
-
-        _extensions = [adaptive.register()]
-    return _extensions
-
-
-def dlite_methods() -> tuple[str, ...]:
-    """Every method name served with a DLite checkpoint: ``"dlite"`` and the extensions'."""
-    return (DLITE_METHOD, *(m for ext in extensions() for m in ext.methods))
-
-
-def _additional_config_keys() -> tuple[str, ...]:
-    return tuple(k for ext in extensions() for k in ext.additional_config_keys)
+        return None
 
 
 # =========================================================================== runner hooks
@@ -429,12 +412,11 @@ def _hook_v1_runner(module) -> None:
         if getattr(self, "drafter", None) is not None and is_dlite_draft(
             getattr(self, "speculative_config", None)
         ):
-            proposer = next((p for ext in extensions() if (p := ext.v1_proposer(vllm_config)) is not None), None)
-            if proposer is None:
-                from vllm_dlite.vllm.proposer_v1 import DLiteProposer as proposer
-            self.drafter = proposer(vllm_config, self.device, self)
+            from vllm_dlite.vllm.proposer_v1 import DLiteProposer
+
+            self.drafter = DLiteProposer(vllm_config, self.device, self)
             self.use_aux_hidden_state_outputs = True
-            logger.info("DLite: Model Runner V1 drafter = %s (no draft KV cache)", proposer.__name__)
+            logger.info("DLite: Model Runner V1 drafter = DLiteProposer (no draft KV cache)")
 
     setattr(__init__, _WRAPPED, True)
     cls.__init__ = __init__
@@ -447,8 +429,6 @@ def _wrap_init_speculator(original: Callable) -> Callable:
     @functools.wraps(original)
     def init_speculator(vllm_config, device, *args, **kwargs):
         if is_dlite_draft(vllm_config.speculative_config):
-            for ext in extensions():  # e.g. dlite-adaptive / dlite-hybrid need Model Runner V1
-                ext.check_v2(vllm_config)
             from vllm_dlite.vllm.speculator_v2 import DLiteSpeculator
 
             req_states = kwargs.get("req_states", args[0] if args else None)  # the token history (G > 2)
@@ -525,14 +505,11 @@ class _HookedLoader(importlib.abc.Loader):
 
 
 def _install_runner_hooks(groups: Optional[frozenset[str]] = None) -> None:
-    """The plugin's hooks, the CPU fixes' and the extensions': each where its compat group holds."""
+    """The plugin's hooks and the CPU fixes': each where its compat group holds."""
     global _HOLDING
     _HOLDING = compat.holding_groups() if groups is None else frozenset(groups)
     for name, hook in cpu_fixes.runner_hooks().items():
         _add_hook(name, compat.CPU_FIXES.name, hook)
-    for ext in extensions():
-        for name, group, hook in ext.hooks:
-            _add_hook(name, group, hook)
     for name in list(_HOOKS):
         if name in sys.modules:
             for hook in _active_hooks(name):

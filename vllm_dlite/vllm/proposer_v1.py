@@ -41,7 +41,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dlite.ops.sampling import draft_probs, draft_temperatures
-from vllm_dlite.vllm.draft_model import checkpoint_config
+from vllm_dlite.vllm.draft_model import checked_checkpoint
 
 
 logger = init_logger("vllm.dlite.proposer_v1")  # under "vllm": vLLM's handlers
@@ -53,7 +53,7 @@ class DLiteProposer(DFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner  # the base class does not keep it (token history, request states)
-        self.dlite_config = checkpoint_config(self.draft_model_config)
+        self.dlite_config = checked_checkpoint(self.draft_model_config)[1]  # validated at config time
         self.kv_cache_gid = 0  # no draft KV; see module docstring
         self._draft_attn_layer_names = set()
         # The DFlash base allocates per-token draft input buffers we never use; keep them tiny.

@@ -36,8 +36,13 @@ subclass so that vLLM's cudagraph memory profiling drops them like its own specu
 (its constructor's decode-query keyword differs between releases:
 :func:`vllm_dlite.vllm.compat.graph_manager_decode_query`).
 
+Adaptive verification (``"enable_adaptive_verification": true``, vLLM's; it needs full CUDA
+graphs, so a GPU): vLLM's online acceptance estimator reads the sequential head's logits at every
+draft position (:meth:`DLiteSpeculator._estimate_acceptance`), eagerly and inside the graphs; vLLM's
+runner then verifies only the draft slots worth their cost. ``docs/adaptive-verification.md``.
+
 Not supported (clear errors or warnings): tensor/data parallel drafting with a sharded vocab,
-adaptive verification (no confidence head), draft watermarking, multimodal draft inputs.
+draft watermarking, multimodal draft inputs.
 
 This module must import on CPU-only installs: vLLM's V2 modules are imported in a ``try`` and a
 placeholder that raises on use is defined when they are unavailable. It was written against
@@ -107,9 +112,9 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
                 "Model Runner V1 when V2 is not used"
             )
         super().__init__(vllm_config, device)
-        from vllm_dlite.vllm.draft_model import checkpoint_config
+        from vllm_dlite.vllm.draft_model import checked_checkpoint
 
-        self.dlite_config = cfg = checkpoint_config(self.draft_model_config)  # k <= K: checked at config time
+        self.dlite_config = cfg = checked_checkpoint(self.draft_model_config)[1]  # validated at config time
         # G > 2 reads x_{a-G+1..a-1} from the runner's RequestState (its token history)
         self.req_states = req_states
         if cfg.anchor_group_size > 2 and req_states is None:
@@ -118,10 +123,9 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
                 "V2 serves G > 2 from the request's token history, which this vLLM does not hand to "
                 "speculators: set VLLM_USE_V2_MODEL_RUNNER=0 to serve it with Model Runner V1"
             )
-        if self.enable_adaptive_verification:
-            logger.warning("DLite: adaptive verification is not supported; disabled")
-        self.enable_adaptive_verification = False
-        self.use_acceptance_estimator = False
+        # adaptive verification (vLLM's, from the config) stays on: propose() feeds vLLM's online
+        # acceptance estimator the head's logits at every draft position (_estimate_acceptance)
+        self.draft_positions = torch.arange(self.num_speculative_steps, dtype=torch.int32, device=device)
         if self.draft_watermarker is not None:
             logger.warning("DLite: draft watermarking is not supported; drafts are unwatermarked")
             self.draft_watermarker = None
@@ -189,10 +193,26 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             )
 
     def _draft_static(self, n: int) -> None:
-        ids, _ = self.model.propose_drafts(
-            self.features[:n], self.group_ids[:n], k=self.num_speculative_steps
+        k = self.num_speculative_steps
+        ids, logits = self.model.propose_drafts(
+            self.features[:n], self.group_ids[:n], k=k, return_logits=self.acceptance_estimator is not None
         )
         self.draft_tokens[:n].copy_(ids)
+        self._estimate_acceptance(logits, n, k)
+
+    def _estimate_acceptance(self, logits: Optional[torch.Tensor], n: int, k: int) -> None:
+        """Adaptive verification: vLLM's online estimator turns the head's distribution at each
+        draft position, ``logits [n, k, V]`` (raw; it applies each request's temperature), into
+        ``draft_token_confidence_probs[:n, :k]``, the acceptance probabilities from which vLLM's
+        runner picks the draft slots it verifies next step. Position j's distribution is
+        conditioned on drafts 1..j-1 only, never on draft j (what the estimator needs to stay
+        lossless). Positions past k get 0: they were not drafted."""
+        if self.acceptance_estimator is None or logits is None:
+            return
+        for j in range(k):  # a 0-dim step: confidence row = batch row
+            self._maybe_predict_acceptance(logits[:, j], self.idx_mapping[:n], self.draft_positions[j])
+        if k < self.num_speculative_steps:
+            self.draft_token_confidence_probs[:n, k:].zero_()
 
     def capture(self) -> None:
         if self.graphs is None:
@@ -300,6 +320,9 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
             next_prefill_tokens,
         )
+        estimate = self.acceptance_estimator is not None
+        if estimate:  # the estimator reads each row's request state and temperature from these buffers
+            self._copy_request_inputs(n, input_batch.idx_mapping[:n], temperature, seeds, dummy_run)
         temperatures = draft_temperatures(self.draft_logits is not None and not dummy_run, temperature, rows=idx)
         if temperatures is not None:
             # probabilistic drafting (eager): sampled rows draw from softmax(logits / T)
@@ -309,10 +332,12 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             )
             compat.write_draft_logits(self.draft_logits, idx, logits)
             self.draft_tokens[:n, :k].copy_(ids)
+            self._estimate_acceptance(logits, n, k)
             return self.draft_tokens[:n]
 
         padded = None
-        if (self.graphs is not None and not is_profile and not dummy_run and group_lens is None
+        # dummy runs replay too: vLLM times them for adaptive verification's draft-cost curve
+        if (self.graphs is not None and not is_profile and group_lens is None
                 and k == self.num_speculative_steps):
             padded = self.graphs.padded_size(n)
         if padded is not None:
@@ -320,8 +345,9 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             self.group_ids[:n].copy_(group_ids)
             self.graphs.draft_graphs[padded].replay()
         else:
-            ids, _ = self.model.propose_drafts(features, group_ids, group_lens, k=k)
+            ids, logits = self.model.propose_drafts(features, group_ids, group_lens, k=k, return_logits=estimate)
             self.draft_tokens[:n, :k].copy_(ids)
+            self._estimate_acceptance(logits, n, k)
         return self.draft_tokens[:n]
 
 
