@@ -7,6 +7,8 @@
   save/load round trip; what the spec leaves open is tolerated (key prefix, sharded safetensors
   with an index, ``architectures`` string, ``rope_parameters``); bad checkpoints fail with one
   message naming the fix (old vllm-dlite format, wrong version, layer ids off the rule, ...).
+* The anchor group both vLLM runners hand the drafter (``anchor_group``): this step's input, then
+  the token history, shrinking at sequence start.
 """
 
 from __future__ import annotations
@@ -373,3 +375,44 @@ def test_target_fit_is_checked_with_one_message():
         with pytest.raises(ValueError, match="use a DLite drafter trained for this target") as err:
             cfg.check_target(**args)
         assert needle in str(err.value)
+
+
+# =========================================================================== the anchor group
+@pytest.mark.parametrize("G", [1, 2, 3, 4])
+def test_anchor_group_reads_the_step_then_the_history_as_both_runners_hold_them(G):
+    """One batch as a serving engine holds it, three requests with known sequences:
+    req0 decodes (its row before the anchor is the step's first, so x_{a-2}.. are in its history),
+    req1 is a prompt's first chunk (a = 2: only min(G, 3) real tokens exist),
+    req2 a later chunk (everything this step). History rows are permuted, as V2's request states
+    are; the group must be x_{a-G+1..a} of each sequence (left slots 0 where there is no token)."""
+    from vllm_dlite.model import anchor_group
+
+    seqs = [torch.arange(100, 130), torch.arange(200, 230), torch.arange(300, 330)]
+    scheduled = [range(10, 15), range(0, 6), range(20, 23)]  # positions each request runs this step
+    rows_at = [10, 1, 22]  # position a-1 of each round
+    step_tokens = torch.cat([seqs[b][list(p)] for b, p in enumerate(scheduled)])
+    step_positions = torch.cat([torch.tensor(list(p)) for p in scheduled])
+    query_start = torch.tensor([0, 5, 11])
+    rows = torch.tensor([int(query_start[b]) + rows_at[b] - scheduled[b][0] for b in range(3)])
+    anchors = torch.stack([seqs[b][rows_at[b] + 1] for b in range(3)])
+    history_rows = torch.tensor([2, 0, 1])
+    history = torch.full((3, 30), -1)
+    for b in range(3):  # everything scheduled before this step
+        history[history_rows[b], : scheduled[b][0]] = seqs[b][: scheduled[b][0]]
+
+    group, lens = anchor_group(anchors, rows, step_tokens, G, step_positions=step_positions,
+                               query_start=query_start, history=history, history_rows=history_rows)
+    want = torch.zeros(3, G, dtype=torch.long)
+    for b in range(3):
+        a = rows_at[b] + 1
+        for j in range(G):  # slot j holds x_{a-G+1+j}
+            if a - G + 1 + j >= 0:
+                want[b, j] = seqs[b][a - G + 1 + j]
+    assert group.tolist() == want.tolist()
+    wanted_lens = [min(G, r + 2) for r in rows_at]
+    assert (lens is None) == all(g == G for g in wanted_lens)
+    if lens is not None:
+        assert lens.tolist() == wanted_lens
+    if G > 2:  # without the history the reads before this step fail with the fix, not garbage
+        with pytest.raises(ValueError, match="needs the token history"):
+            anchor_group(anchors, rows, step_tokens, G, step_positions=step_positions, query_start=query_start)

@@ -9,12 +9,13 @@ from vllm_dlite.model.checkpoint import (
     resolve_checkpoint_dir,
     save_pretrained,
 )
-from vllm_dlite.model.drafter import DLiteDrafter, DraftOutput
+from vllm_dlite.model.drafter import DLiteDrafter, DraftOutput, anchor_group
 
 __all__ = [
     "CheckpointError",
     "DLiteDrafter",
     "DraftOutput",
+    "anchor_group",
     "check_checkpoint",
     "load_drafter",
     "read_checkpoint_config",

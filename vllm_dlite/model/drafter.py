@@ -53,6 +53,63 @@ class DraftOutput(NamedTuple):
     logits: torch.Tensor  # [b, k, V] fp32, raw (the draft distribution is softmax(logits / T))
 
 
+# =========================================================================== the anchor group
+def anchor_group(
+    anchors: torch.Tensor,
+    rows: torch.Tensor,
+    step_tokens: torch.Tensor,
+    G: int,
+    step_positions: Optional[torch.Tensor] = None,
+    query_start: Optional[torch.Tensor] = None,
+    history: Optional[torch.Tensor] = None,
+    history_rows: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The real query tokens of a batch of rounds, ``x_{a-G+1} .. x_a`` (anchor last), from what
+    a serving engine holds: this step's flattened input and each request's token history.
+
+    Args:
+        anchors: ``[B]`` x_a, the token each request's round drafts after.
+        rows: ``[B]`` the row of ``step_tokens`` at position ``a-1`` (the row that predicted the
+            anchor: always scheduled this step).
+        step_tokens: ``[N]`` this step's input token ids (requests' rows contiguous).
+        G: the drafter's ``anchor_group_size``. G <= 2 needs nothing more and never syncs
+            with the host (``x_{a-1}`` is ``step_tokens[rows]``).
+        step_positions: ``[N]`` the rows' positions (G > 2).
+        query_start: ``[B]`` each request's first row in ``step_tokens`` (G > 2).
+        history: ``[R, T]`` token ids by history row and position, complete for every position
+            scheduled before this step (G > 2; may live on another device).
+        history_rows: ``[B]`` each request's row of ``history`` (G > 2).
+
+    Returns ``(group [B, G] int64, lens)``: ``lens [B]`` (CPU) = ``min(G, a+1)`` real tokens per
+    row, the unused left slots holding 0, or None when every row has G (always for G <= 2, since
+    ``a >= 1``). Position ``a-j`` is read from this step's input when the request scheduled it
+    this step, else from its history (one host sync for G > 2).
+    """
+    anchors = anchors.long()
+    if G == 1:
+        return anchors[:, None], None
+    if G == 2:
+        return torch.stack([step_tokens[rows].long(), anchors], dim=1), None
+    if step_positions is None or query_start is None:
+        raise ValueError("anchor_group with G > 2 needs this step's positions and each request's first row")
+    back = torch.arange(G - 2, -1, -1, device=rows.device)  # [G-1]: a-1 - pos, for x_{a-G+1} .. x_{a-1}
+    previous = step_positions[rows].long()  # [B] a-1
+    pos = previous[:, None] - back  # [B, G-1]
+    in_step = pos >= step_positions[query_start].long()[:, None]  # scheduled this step
+    earlier = step_tokens[(rows.long()[:, None] - back).clamp(min=0)].long()  # [B, G-1]
+    if not bool(in_step.all()):  # host sync
+        if history is None or history_rows is None:
+            raise ValueError("anchor_group with G > 2 reaches before this step: it needs the token history")
+        at = (history_rows.long()[:, None].to(history.device), pos.clamp(min=0).to(history.device))
+        earlier = torch.where(in_step, earlier, history[at].long().to(earlier.device))
+    group = torch.cat([earlier, anchors[:, None]], dim=1)
+    lens = (previous + 2).clamp(max=G).cpu()  # min(G, a+1)
+    if bool((lens == G).all()):
+        return group, None
+    group[:, :-1] = torch.where(pos >= 0, earlier, 0)
+    return group, lens
+
+
 # =========================================================================== building blocks
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in fp32, cast back to the input dtype, then scale by ``weight``."""

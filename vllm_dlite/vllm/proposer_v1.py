@@ -13,15 +13,13 @@ replaces what touches the draft model:
 * ``propose``: per request, gather the L feature vectors of the row that predicted the anchor
   (``token_indices_to_sample``: the last accepted row after verification, or the last scheduled
   row of a prefill chunk when it is ``None``) from ``target_hidden_states [num_tokens, L*H]``;
-  anchor = ``next_token_ids``; with G > 1 the G-1 tokens before the anchor (:meth:`group_tokens`:
-  this step's input ids, or the request's token history for positions scheduled earlier; fewer
-  at sequence start); one backbone pass + k head steps (k = ``num_speculative_tokens``). Greedy
+  anchor = ``next_token_ids``; with G > 1 the G-1 tokens before the anchor
+  (:func:`vllm_dlite.model.anchor_group`: this step's input ids, or the request's token history,
+  ``input_batch.token_ids_cpu``, for positions scheduled earlier; fewer at sequence start); one
+  backbone pass + k head steps (k = ``num_speculative_tokens``). Greedy
   drafts unless ``draft_sample_method="probabilistic"`` (with the standard rejection sampler) and the batch has
   sampled requests: then sampled rows draw from ``softmax(logits / T_request)`` and
   ``take_last_draft_probs`` returns those probabilities for lossless rejection sampling.
-
-Subclasses change what a round proposes by overriding :meth:`DLiteProposer.draft_round` (``dlite-adaptive``
-/ ``dlite-hybrid``: :class:`vllm_dlite.vllm.adaptive.proposer.AdaptiveDLiteProposer`).
 
 Mixed prefill/decode batches, chunked prefill, preemption and requests finishing mid-batch need no
 state here (the drafter is history-free): each round reads only the current batch. Drafts of a
@@ -34,12 +32,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_dlite.model import anchor_group
 from vllm_dlite.ops.sampling import draft_probs, draft_temperatures
 from vllm_dlite.vllm.draft_model import checked_checkpoint
 
@@ -117,43 +117,6 @@ class DLiteProposer(DFlashProposer):
                                   getattr(sampling_metadata, "temperature", None),
                                   bool(getattr(sampling_metadata, "all_greedy", False)))
 
-    def group_tokens(
-        self,
-        anchors: torch.Tensor,
-        rows: torch.Tensor,
-        target_token_ids: torch.Tensor,
-        target_positions: torch.Tensor,
-        common_attn_metadata,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(group_ids [B, G], group_lens [B] or None)``: the anchor and the G-1 tokens before it.
-
-        Row ``rows[i]`` holds position ``a-1`` and input token ``x_{a-1}``; ``x_{a-j}`` is this
-        step's input at row ``rows[i]-(j-1)`` while that row belongs to request i, else the
-        request's token history (``input_batch.token_ids_cpu``: positions scheduled in earlier
-        steps). At sequence start g = min(G, a+1) (lens returned; unused slots hold 0)."""
-        G = self.dlite_config.anchor_group_size
-        if G == 1:
-            return anchors[:, None], None
-        B = anchors.shape[0]
-        group = torch.zeros(B, G, dtype=torch.long, device=anchors.device)
-        group[:, -1] = anchors
-        group[:, -2] = target_token_ids[rows].long()  # x_{a-1}: always this step's input
-        if G == 2:
-            return group, None
-        rows_c = rows.cpu()
-        pos_c = target_positions[rows].long().cpu()  # a-1
-        start_c = common_attn_metadata.query_start_loc_cpu[:B].long()
-        tokens_c = target_token_ids.cpu()
-        history = self.runner.input_batch.token_ids_cpu
-        out = group.cpu()
-        lens = torch.clamp(pos_c + 2, max=G)  # g = min(G, a+1)
-        for i in range(B):
-            for j in range(2, int(lens[i])):  # x_{a-j}
-                row = int(rows_c[i]) - (j - 1)
-                out[i, G - 1 - j] = (tokens_c[row] if row >= int(start_c[i])
-                                     else int(history[i, int(pos_c[i]) + 1 - j]))
-        return out.to(anchors.device), (None if bool((lens == G).all()) else lens)
-
     @torch.inference_mode()
     def propose(
         self,
@@ -168,31 +131,26 @@ class DLiteProposer(DFlashProposer):
         mm_embed_inputs=None,
         num_rejected_tokens_gpu: Optional[torch.Tensor] = None,
         slot_mappings=None,
-    ) -> torch.Tensor | list[list[int]]:
-        self.num_speculative_tokens = num_speculative_tokens
+    ) -> torch.Tensor:
+        """``[B, k]`` drafts for the batch (``k = num_speculative_tokens``)."""
+        self.num_speculative_tokens = k = num_speculative_tokens
         self._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
         if token_indices_to_sample is None:
             # prefill (or unpadded batch): the last scheduled row of each request
             token_indices_to_sample = common_attn_metadata.query_start_loc[1 : batch_size + 1] - 1
-        rows = token_indices_to_sample[:batch_size].long()
-        anchors = next_token_ids[:batch_size].long()
+        rows = token_indices_to_sample[:batch_size].long()  # [B] the row that predicted the anchor
+        anchors = next_token_ids[:batch_size].long()  # [B]
         temperatures = self._temperatures(sampling_metadata)
-        return self.draft_round(num_speculative_tokens, rows, anchors, target_token_ids, target_positions,
-                                target_hidden_states, temperatures, common_attn_metadata)
-
-    def draft_round(self, k: int, rows: torch.Tensor, anchors: torch.Tensor, target_token_ids: torch.Tensor,
-                    target_positions: torch.Tensor, target_hidden_states: torch.Tensor,
-                    temperatures: Optional[torch.Tensor], common_attn_metadata) -> torch.Tensor | list[list[int]]:
-        """The round's drafts for the batch: ``rows [B]`` (the feature row of each request),
-        ``anchors [B]``, ``temperatures [B]`` or None (greedy drafts). Sets ``_last_draft_probs``
-        when drafts are sampled. Here: ``k`` tokens for every request, as a ``[B, k]`` tensor."""
-        features = target_hidden_states[rows]  # [B, L*H]
-        group_ids, group_lens = self.group_tokens(
-            anchors, rows, target_token_ids, target_positions, common_attn_metadata
+        history = self.runner.input_batch.token_ids_cpu  # [max_num_reqs, max_len], batch row order
+        group_ids, group_lens = anchor_group(
+            anchors, rows, target_token_ids, self.dlite_config.anchor_group_size,
+            step_positions=target_positions, query_start=common_attn_metadata.query_start_loc[:batch_size],
+            history=torch.from_numpy(history) if isinstance(history, np.ndarray) else history,
+            history_rows=torch.arange(batch_size),
         )
         draft_ids, logits = self.model.propose_drafts(
-            features,
+            target_hidden_states[rows],  # [B, L*H]
             group_ids,
             group_lens,
             temperatures=temperatures,

@@ -12,10 +12,12 @@ greedy path with G <= 2:
 * features = the L aux hidden states at those rows, ``[B, L, H]``;
 * anchor = ``last_sampled[idx_mapping[i]]`` when the request sampled a token this step, else
   ``next_prefill_tokens[idx_mapping[i]]`` (partial prefill chunk; vLLM discards those drafts);
-* with G = 2, ``x_{a-1}`` = this step's input id at that row (always scheduled this step);
-  with G > 2, ``x_{a-G+1..a-1}`` are read from the request's token history (the runner's
-  ``req_states``, which ``init_speculator`` hands over); near the start of a sequence the group
-  shrinks to the tokens there are (one host sync, so G > 2 drafts eagerly, without CUDA graphs);
+* the anchor group (:func:`vllm_dlite.model.anchor_group`, shared with the V1 proposer): with
+  G = 2, ``x_{a-1}`` = this step's input id at that row (always scheduled this step); with G > 2,
+  ``x_{a-G+1..a-1}`` come from this step's input or, for positions scheduled earlier, the
+  request's token history (the runner's ``req_states``, which ``init_speculator`` hands over);
+  near the start of a sequence the group shrinks to the tokens there are (one host sync, so
+  G > 2 drafts eagerly, without CUDA graphs);
   a vLLM that does not pass ``req_states`` gets a clear error at construction (serve such a
   checkpoint with Model Runner V1);
 * one backbone pass + k sequential-head steps (k = ``num_speculative_tokens``) ->
@@ -58,6 +60,7 @@ from typing import Any, Optional
 
 import torch
 
+from vllm_dlite.model import anchor_group
 from vllm_dlite.ops.sampling import draft_temperatures
 from vllm_dlite.vllm import compat
 
@@ -262,27 +265,17 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         prefill = next_prefill_tokens.reshape(-1, next_prefill_tokens.shape[-1])[0, idx]  # [B]
         anchors = torch.where(num_sampled[:n] > 0, sampled, prefill).long()  # [B]
         G = cfg.anchor_group_size
-        if G == 1:
-            return features, anchors[:, None], None, idx
-        if G == 2:
-            previous = input_batch.input_ids[rows].long()  # x_{a-1}: always scheduled this step
-            return features, torch.stack([previous, anchors], dim=1), None, idx
-        # G > 2: x_{a-G+1..a-1} from the request's token history (vLLM's RequestState)
-        if self.req_states is None:
+        if G > 2 and self.req_states is None:
             raise RuntimeError(
                 "DLite with anchor_group_size > 2 on Model Runner V2 needs the runner's request "
                 "states (init_speculator(..., req_states)); this vLLM did not pass them"
             )
-        anchor_pos = input_batch.positions[rows].long() + 1  # [B]
-        offsets = torch.arange(1 - G, 1, device=anchor_pos.device)  # [G]
-        pos = anchor_pos[:, None] + offsets  # [B, G]
-        history = self.req_states.all_token_ids.gpu
-        group = history[idx[:, None], pos.clamp(min=0)].long()  # [B, G]
-        group[:, -1] = anchors  # a partial prefill's anchor may not be in the history yet
-        group_lens = (anchor_pos + 1).clamp(max=G).cpu()  # host sync: G > 2 runs eagerly
-        if bool((group_lens == G).all()):
-            return features, group, None, idx
-        return features, group, group_lens, idx
+        group_ids, group_lens = anchor_group(
+            anchors, rows, input_batch.input_ids, G,
+            step_positions=input_batch.positions if G > 2 else None, query_start=input_batch.query_start_loc[:n],
+            history=None if G <= 2 else self.req_states.all_token_ids.gpu, history_rows=idx,
+        )  # G > 2: one host sync, so it drafts eagerly
+        return features, group_ids, group_lens, idx
 
     @torch.inference_mode()
     def propose(
