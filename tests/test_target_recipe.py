@@ -61,6 +61,19 @@ def test_well_formed_tool_calls(session):
     assert not well_formed_tool_calls(ok.replace('{"name"', '{"cmd", "name"'), tools)  # not JSON
 
 
+def test_a_code_reply_is_well_formed_when_it_is_one_finished_nonempty_python_body():
+    from lab.target.evaluate import scored_kind, well_formed_code_reply
+
+    body = "```python\n        self._fp.seek(0)\n        if self._eof:\n            return 1\n```"
+    assert well_formed_code_reply(body) and well_formed_code_reply(body + "\n")
+    assert not well_formed_code_reply("```python\n\n```")  # the long-prompt failure: an empty block
+    assert not well_formed_code_reply(body[:-4])  # cut before the closing fence
+    assert not well_formed_code_reply("Here it is:\n" + body)  # markup around it
+    assert not well_formed_code_reply("```python\n        if self._eof\n```")  # does not parse
+    assert scored_kind({"content": body}) == "code" and scored_kind({"content": "Done."}) is None
+    assert scored_kind({"content": "", "tool_calls": [{"function": {"name": "read_file"}}]}) == "tool"
+
+
 def test_table_compares_reports_bucket_by_bucket():
     from lab.target.evaluate import format_table
 
@@ -106,3 +119,34 @@ def test_long_stage_resumes_where_it_stopped(tmp_path):
     stages = json.loads((tmp_path / "out" / "training_report.json").read_text())["stages"]
     assert [s["stage"] for s in stages] == ["long", "long"] and stages[-1]["steps"] == 3
     assert Qwen3ForCausalLM.from_pretrained(tmp_path / "out").config.max_position_embeddings == 32768
+
+
+@pytest.mark.slow
+def test_long_stage_trains_whole_file_completions_within_the_length_cap(tmp_path):
+    """--file-sessions: steps on code completions whose prompt is the whole file, each no longer
+    than the step's cap, with the loss on the reply (a finite assistant CE)."""
+    import json
+    import math
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from lab.target import long
+
+    src = tmp_path / "tiny"
+    cfg = Qwen3Config(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32768,
+                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=[2, 0])
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TARGET_DIR / name, src / name)
+    long.main(["--target", str(src), "--out", str(tmp_path / "out"), "--state", str(tmp_path / "state.pt"),
+               "--sessions", "2", "--short-sessions", "2", "--short-share", "0", "--file-sessions", "6",
+               "--file-share", "1", "--max-len", "8192", "--steps", "3", "--threads", "1"])
+    log = [json.loads(line) for line in open(tmp_path / "out" / "train_log_long.jsonl")]
+    assert [r["kind"] for r in log] == ["file"] * 3
+    assert all(r["tokens_in_step"] <= r["cap"] and math.isfinite(r["assistant_ce"]) for r in log)
+    stage = json.loads((tmp_path / "out" / "training_report.json").read_text())["stages"][-1]
+    assert stage["file_sessions"] == 6 and stage["file_share"] == 1

@@ -10,8 +10,11 @@ Per bucket of prompt tokens (``BUCKETS``: 0-2k, 2k-4k, 4k-8k, 8k-16k, 16k-32k):
   as vLLM's hermes tool parser does), each naming a tool of the session with an ``arguments``
   object that has every required parameter;
 * ``same_tool_as_reference``: the first call names the reference's tool;
+* ``well_formed_code_replies``: among turns whose reference reply is a code block (code
+  completion, e.g. ``heldout_code_long_file.jsonl``), the share of greedy replies that are one
+  finished, non-empty ```` ```python ```` block whose body parses as a function body;
 * ``mean_output_tokens`` and ``short_endings`` (replies of <= 2 tokens, the failure mode of a
-  target that does not cope with long inputs), over the same turns;
+  target that does not cope with long inputs), over the scored turns;
 * ``heldout_assistant_ce``: next-token cross-entropy on the reference assistant tokens of every
   turn in the bucket (teacher forcing over the whole session in HF transformers, fp32).
 
@@ -21,11 +24,14 @@ Greedy decoding in vLLM (fp32, prefix caching on: turns of one session share the
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import sys
+import textwrap
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+CODE_BLOCK_RE = re.compile(r"```python\n(.*)\n```", re.DOTALL)
 BUCKETS = ((0, 2048, "0-2k"), (2048, 4096, "2k-4k"), (4096, 8192, "4k-8k"),
            (8192, 16384, "8k-16k"), (16384, 32768, "16k-32k"))
 
@@ -50,6 +56,28 @@ def well_formed_tool_calls(text: str, tools: list[dict]) -> bool:
         if not isinstance(args, dict) or not set(schemas[call["name"]].get("required", [])) <= set(args):
             return False
     return True
+
+
+def well_formed_code_reply(text: str) -> bool:
+    """One finished ```` ```python ```` block, nothing around it, with a body that is not blank
+    and parses as the body of a function (a code-completion reply, not a copy of the prompt's
+    markup)."""
+    m = CODE_BLOCK_RE.fullmatch(text.strip())
+    if m is None or not m.group(1).strip():
+        return False
+    try:
+        ast.parse("def _f():\n" + textwrap.indent(textwrap.dedent(m.group(1)), "    "))
+    except SyntaxError:
+        return False
+    return True
+
+
+def scored_kind(reference: dict) -> str | None:
+    """What a turn's reply is scored as: ``"tool"`` (its reference calls a tool), ``"code"`` (its
+    reference is a code block), else None (not scored)."""
+    if reference.get("tool_calls"):
+        return "tool"
+    return "code" if str(reference.get("content") or "").lstrip().startswith("```") else None
 
 
 def first_tool_name(text: str) -> str | None:
@@ -116,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     sessions = list(read_sessions(args.workload))
     tools = {s["id"]: s["tools"] for s in sessions}
     reqs = [r for r in load_replay(args.workload, tok, max_prompt_tokens=args.max_prompt_tokens)
-            if r.reference.get("tool_calls")]
+            if scored_kind(r.reference)]
     use_cpu_env(4)  # GiB: 8 prompts of 30k tokens fit
     llm = build_llm(args.target, None, dtype="float32", max_model_len=args.max_prompt_tokens + args.max_tokens,
                     seed=0, max_num_seqs=8, enable_prefix_caching=True)
@@ -127,18 +155,24 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[str, list[dict]] = {name: [] for _, _, name in BUCKETS}
     for r, o in zip(reqs, outs):
         text, n_out = o.outputs[0].text, len(o.outputs[0].token_ids)
-        ok = well_formed_tool_calls(text, tools[r.session_id])
+        kind = scored_kind(r.reference)
+        ok = well_formed_tool_calls(text, tools[r.session_id]) if kind == "tool" else well_formed_code_reply(text)
         rows[bucket_of(len(r.prompt_token_ids))].append(dict(
-            prompt_tokens=len(r.prompt_token_ids), ok=ok, output_tokens=n_out,
-            same_tool=ok and first_tool_name(text) == r.reference["tool_calls"][0]["function"]["name"],
+            prompt_tokens=len(r.prompt_token_ids), kind=kind, ok=ok, output_tokens=n_out,
+            same_tool=kind == "tool" and ok
+            and first_tool_name(text) == r.reference["tool_calls"][0]["function"]["name"],
             prompt_tail=tok.decode(r.prompt_token_ids[-40:]), reply=text))
     losses = {} if args.no_loss else assistant_ce_by_bucket(args.target, sessions, args.max_prompt_tokens)
 
+    def share(rs: list[dict], key: str):
+        return round(sum(x[key] for x in rs) / len(rs), 4) if rs else None
+
     def summary(rs: list[dict]) -> dict:
         n = len(rs)
+        tool, code = [x for x in rs if x["kind"] == "tool"], [x for x in rs if x["kind"] == "code"]
         return dict(turns_scored=n,
-                    well_formed_tool_calls=round(sum(x["ok"] for x in rs) / n, 4) if n else None,
-                    same_tool_as_reference=round(sum(x["same_tool"] for x in rs) / n, 4) if n else None,
+                    well_formed_tool_calls=share(tool, "ok"), well_formed_code_replies=share(code, "ok"),
+                    same_tool_as_reference=share(tool, "same_tool"),
                     mean_output_tokens=round(sum(x["output_tokens"] for x in rs) / n, 1) if n else None,
                     short_endings=sum(x["output_tokens"] <= 2 for x in rs))
 
@@ -167,10 +201,12 @@ def format_table(report: dict, before: dict | None = None) -> str:
 
     def cells(b: dict) -> list[str]:
         return [str(b["turns_scored"]), pct(b["well_formed_tool_calls"]), pct(b["same_tool_as_reference"]),
-                str(b["mean_output_tokens"]), str(b["short_endings"]), str(b.get("heldout_assistant_ce", "-"))]
+                pct(b.get("well_formed_code_replies")), str(b["mean_output_tokens"]), str(b["short_endings"]),
+                str(b.get("heldout_assistant_ce", "-"))]
 
-    lines = ["| prompt tokens | turns | well-formed tool calls | same tool | mean output tokens "
-             "| 2-token endings | held-out assistant CE |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| prompt tokens | turns | well-formed tool calls | same tool | well-formed code replies "
+             "| mean output tokens | 2-token endings | held-out assistant CE |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, b in report["by_bucket"].items():
         now = cells(b)
         if before is not None:

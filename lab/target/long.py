@@ -10,7 +10,10 @@ start (system prompt, tools, every tool result) up to the end of an assistant tu
 with the loss on *every* assistant turn of it (``CE_assistant + 0.1 * CE_all``). L follows a
 length curriculum: up to 8k for the first quarter of the run, 16k for the second, then the full
 window; a share of steps (``--short-share``) trains on short code/chat sessions instead, so that
-the short skills stay. Gradient checkpointing keeps 30k-token steps within ~6 GB on CPU.
+the short skills stay. With ``--file-sessions N``, a share of the long steps (``--file-share``)
+trains on code completions whose prompt is the whole file before the body (training-split
+``context="file"`` sessions no longer than the step's length cap): long prompts whose reply is
+not a copy of them. Gradient checkpointing keeps 30k-token steps within ~6 GB on CPU.
 
 Resumable: every ``--save-every-s`` seconds the model, optimizer, step and elapsed time go to
 ``--state``; rerunning the same command continues from there (the schedule follows the elapsed
@@ -40,10 +43,10 @@ def length_cap(progress: float, max_len: int) -> int:
     return next(cap or max_len for until, cap in CURRICULUM if progress < until or until == 1.0)
 
 
-def session_docs(tok, kind: str, n: int, seed: int) -> list[list[int]]:
+def session_docs(tok, kind: str, n: int, seed: int, context: str = "lines") -> list[list[int]]:
     from vllm_dlite.train.workloads.generator import generate
 
-    return render_sessions(tok, generate(kind, "train", n, seed))
+    return render_sessions(tok, generate(kind, "train", n, seed, context=context))
 
 
 def supervised_window(doc: list[int], spans: list[tuple[int, int]], cap: int,
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--short-sessions", type=int, default=500, help="training-split code and chat sessions, each")
     ap.add_argument("--short-share", type=float, default=0.2, help="share of steps on a batch of short sessions")
     ap.add_argument("--short-batch", type=int, default=8)
+    ap.add_argument("--file-sessions", type=int, default=0,
+                    help="training-split whole-file code completions (0: agentic sessions only)")
+    ap.add_argument("--file-share", type=float, default=0.5, help="share of long steps on them")
     ap.add_argument("--max-len", type=int, default=30720, help="longest window (tokens)")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -102,9 +108,12 @@ def main(argv: list[str] | None = None) -> None:
                   + session_docs(tok, "chat", args.short_sessions, args.seed))
     header, end_id = turn_markers(tok)
     long_items = [(d, assistant_spans(d, header, end_id)) for d in long_docs]
+    file_docs = session_docs(tok, "code", args.file_sessions, args.seed, context="file") if args.file_sessions else []
+    file_items = [(d, assistant_spans(d, header, end_id)) for d in file_docs]
     short_items = [(d, assistant_spans(d, header, end_id)) for d in short_docs]
     print(f"[long] {len(long_items)} agentic sessions ({sum(map(len, long_docs)):,} tokens, longest "
-          f"{max(map(len, long_docs)):,}), {len(short_items)} short ({time.time() - t0:.0f}s)", flush=True)
+          f"{max(map(len, long_docs)):,}), {len(file_items)} whole-file completions "
+          f"({sum(map(len, file_docs)):,} tokens), {len(short_items)} short ({time.time() - t0:.0f}s)", flush=True)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = random.Random(args.seed)
@@ -139,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         if rng.random() < args.short_share:
             rows = [supervised_window(d, s, 4096, rng) for d, s in rng.sample(short_items, args.short_batch)]
             kind = "short"
+        elif file_items and rng.random() < args.file_share:
+            fits = [it for it in file_items if len(it[0]) <= cap] or [min(file_items, key=lambda it: len(it[0]))]
+            doc, spans = rng.choice(fits)
+            rows = [(doc, [int(any(a <= i < b for a, b in spans)) for i in range(len(doc))])]
+            kind = "file"
         else:
             rows = [supervised_window(*rng.choice(long_items), cap, rng)]
             kind = "long"
@@ -169,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     append_stage(out, dict(
         stage="long", steps=step, time_budget_s=args.time_budget_s or None, device=str(device),
         max_len=args.max_len, curriculum=[list(c) for c in CURRICULUM], short_share=args.short_share,
-        sessions=args.sessions, short_sessions=args.short_sessions, lr=args.lr, training_tokens=tokens,
+        sessions=args.sessions, short_sessions=args.short_sessions, file_sessions=args.file_sessions,
+        file_share=args.file_share if args.file_sessions else None, lr=args.lr, training_tokens=tokens,
         train_wall_s=round(elapsed), torch_threads=torch.get_num_threads(),
         command="python -m lab.target.long " + " ".join(argv if argv is not None else sys.argv[1:])))
 
