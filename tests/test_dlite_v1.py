@@ -416,3 +416,8 @@ def test_anchor_group_reads_the_step_then_the_history_as_both_runners_hold_them(
     if G > 2:  # without the history the reads before this step fail with the fix, not garbage
         with pytest.raises(ValueError, match="needs the token history"):
             anchor_group(anchors, rows, step_tokens, G, step_positions=step_positions, query_start=query_start)
+        # a prompt's first chunk alone needs none: what precedes position 0 is no token at all
+        alone, alone_lens = anchor_group(anchors[1:2], torch.tensor([1]), step_tokens[5:11], G,
+                                         step_positions=step_positions[5:11], query_start=torch.tensor([0]))
+        assert alone.tolist() == want[1:2].tolist()
+        assert (alone_lens is None) if G == 3 else alone_lens.tolist() == [3]

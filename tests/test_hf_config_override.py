@@ -141,7 +141,10 @@ def test_dlite_draft_config_is_still_rewritten_on_0_33(vllm_033):
     assert hf.eagle_aux_hidden_state_layer_ids == cfg.aux_layer_ids and hf.mask_token_id == cfg.mask_token_id
     from vllm_dlite.vllm.draft_model import checked_checkpoint
 
-    assert checked_checkpoint(types.SimpleNamespace(hf_config=hf)) == (DRAFTER_DIR, cfg)  # for the workers
+    assert checked_checkpoint(types.SimpleNamespace(hf_config=hf)) == (DRAFTER_DIR.resolve(), cfg)  # for the workers
+    # a worker without that directory (another node, another cache) resolves the checkpoint as given
+    hf.dlite_checkpoint = {**hf.dlite_checkpoint, "directory": "/nonexistent/snapshot"}
+    assert checked_checkpoint(types.SimpleNamespace(hf_config=hf)) == (DRAFTER_DIR, cfg)
 
 
 def test_installed_vllm_one_argument_call_still_works(monkeypatch):

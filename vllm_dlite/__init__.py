@@ -6,7 +6,7 @@ Layout (one home per concern):
               checking, the training teacher
   ops/        draft attention and sequential head: CUDA op or PyTorch reference
   vllm/       the runtime's vLLM glue (plugin, compat, draft model, V1 proposer, V2 speculator,
-              adaptive/hybrid drafting, CPU fixes); the runtime imports vLLM nowhere else
+              CPU fixes); the runtime imports vLLM nowhere else
   train/      drafter training (the ``train`` extra, never imported by the runtime): data
               regeneration with vLLM, the training sessions (``vllm_dlite/train/workloads/``:
               format, generator, replay), the offline acceptance estimator

@@ -77,7 +77,7 @@ def scored_kind(reference: dict) -> str | None:
     reference is a code block), else None (not scored)."""
     if reference.get("tool_calls"):
         return "tool"
-    return "code" if str(reference.get("content") or "").lstrip().startswith("```") else None
+    return "code" if str(reference.get("content") or "").lstrip().startswith("```python") else None
 
 
 def first_tool_name(text: str) -> str | None:

@@ -148,8 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         if rng.random() < args.short_share:
             rows = [supervised_window(d, s, 4096, rng) for d, s in rng.sample(short_items, args.short_batch)]
             kind = "short"
-        elif file_items and rng.random() < args.file_share:
-            fits = [it for it in file_items if len(it[0]) <= cap] or [min(file_items, key=lambda it: len(it[0]))]
+        elif (fits := [it for it in file_items if len(it[0]) <= cap]) and rng.random() < args.file_share:
             doc, spans = rng.choice(fits)
             rows = [(doc, [int(any(a <= i < b for a, b in spans)) for i in range(len(doc))])]
             kind = "file"

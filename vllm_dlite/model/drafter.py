@@ -95,7 +95,7 @@ def anchor_group(
     back = torch.arange(G - 2, -1, -1, device=rows.device)  # [G-1]: a-1 - pos, for x_{a-G+1} .. x_{a-1}
     previous = step_positions[rows].long()  # [B] a-1
     pos = previous[:, None] - back  # [B, G-1]
-    in_step = pos >= step_positions[query_start].long()[:, None]  # scheduled this step
+    in_step = (pos >= step_positions[query_start].long()[:, None]) | (pos < 0)  # scheduled this step (or none)
     earlier = step_tokens[(rows.long()[:, None] - back).clamp(min=0)].long()  # [B, G-1]
     if not bool(in_step.all()):  # host sync
         if history is None or history_rows is None:

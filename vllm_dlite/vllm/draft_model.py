@@ -5,7 +5,7 @@ thin wrapper around :class:`vllm_dlite.model.DLiteDrafter`:
 
 * **Loading** goes through the one loader, :func:`vllm_dlite.model.load_drafter`, in ``__init__``
   (vLLM constructs the model on the target device and dtype), with the checkpoint's directory and
-  config as the config step validated them (:func:`vllm_dlite.vllm.plugin.checked_checkpoint`:
+  config as the config step validated them (:func:`checked_checkpoint`:
   config.json is not parsed again). ``load_weights`` does not read
   vLLM's weight iterator again; it reports every parameter as loaded.
 * **Shared with the target**: its token embedding and its final norm (dlite_v1 never uses the
@@ -38,26 +38,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dlite.config import DLiteConfig
-from vllm_dlite.model import DLiteDrafter, load_drafter
+from vllm_dlite.model import DLiteDrafter, load_drafter, resolve_checkpoint_dir
 from vllm_dlite.ops.sampling import greedy_rows_as
 
 logger = logging.getLogger("vllm.dlite")  # under "vllm": uses vLLM's log handlers
 
 
-CHECKPOINT_ATTR = "dlite_checkpoint"  # on the draft hf_config: {"directory", "config"} (plain data: it pickles)
+# on the draft hf_config: {"directory", "model", "revision", "config"} (plain data: it pickles)
+CHECKPOINT_ATTR = "dlite_checkpoint"
 
 
 def checked_checkpoint(draft_model_config) -> tuple[Path, DLiteConfig]:
     """``(directory, DLiteConfig)`` that the config step validated and put on vLLM's draft
     ``ModelConfig`` (its ``hf_config`` travels to every worker): what the draft model and both
-    proposers size themselves by, without reading config.json."""
+    proposers size themselves by, without reading config.json. A worker whose file system lacks
+    that directory (another node, another Hugging Face cache) resolves the checkpoint as given."""
     carried = getattr(draft_model_config.hf_config, CHECKPOINT_ATTR, None)
     if not isinstance(carried, dict):
         raise RuntimeError(
             "the draft model config carries no validated DLite checkpoint: it was built without "
             "vllm_dlite's plugin (install vllm-dlite in every environment vLLM runs in, so that "
             "vLLM loads the 'vllm.general_plugins' entry point)")
-    return Path(carried["directory"]), DLiteConfig(**carried["config"])
+    directory = Path(carried["directory"])
+    if not directory.is_dir():
+        directory = resolve_checkpoint_dir(carried["model"], carried.get("revision"))
+    return directory, DLiteConfig(**carried["config"])
 
 
 class DFlashDLiteDraftModel(nn.Module):

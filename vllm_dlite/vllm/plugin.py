@@ -226,9 +226,10 @@ def _target_sizes(target_model_config: Any) -> dict[str, Any]:
     }
 
 
-# checkpoint (as given, and its directory) -> (directory, validated config), parsed at config time
-# in this process: the draft hf_config override reads it from here instead of parsing config.json
-_CHECKED: dict[str, tuple[Path, Any]] = {}
+# checkpoint (as given, and its directory) -> (directory, validated config, as given, revision),
+# parsed at config time in this process: the draft hf_config override reads it from here instead
+# of parsing config.json again
+_CHECKED: dict[str, tuple[Path, Any, str, Optional[str]]] = {}
 
 
 def validate_dlite_checkpoint(
@@ -247,10 +248,16 @@ def validate_dlite_checkpoint(
     config.json and the safetensors headers only.
     """
     from vllm_dlite.config import DLiteConfig, target_default_warning
-    from vllm_dlite.model import check_checkpoint, read_checkpoint_config, resolve_checkpoint_dir
+    from vllm_dlite.model import CheckpointError, check_checkpoint, read_checkpoint_config, resolve_checkpoint_dir
 
-    directory = resolve_checkpoint_dir(model, revision)
-    parsed = read_checkpoint_config(directory) if raw is None else (raw, DLiteConfig.from_checkpoint_config(raw))
+    directory = resolve_checkpoint_dir(model, revision).resolve()
+    if raw is None:
+        parsed = read_checkpoint_config(directory)
+    else:
+        try:
+            parsed = (raw, DLiteConfig.from_checkpoint_config(raw))
+        except ValueError as exc:
+            raise CheckpointError(f"{directory / 'config.json'}: {exc}") from None
     cfg = check_checkpoint(directory, parsed)  # every tensor's name/shape/dtype against config.json
     K = cfg.num_draft_tokens
     if num_speculative_tokens is not None and not 1 <= num_speculative_tokens <= K:
@@ -272,7 +279,7 @@ def validate_dlite_checkpoint(
         message = target_default_warning(parsed[0], target, where=f"the DLite drafter {directory}")
         if message:
             logger.warning("%s", message)
-    _CHECKED[str(directory)] = _CHECKED[str(model)] = (directory, cfg)
+    _CHECKED[str(directory)] = _CHECKED[str(model)] = (directory, cfg, str(model), revision)
     return directory, cfg
 
 
@@ -293,10 +300,14 @@ def dlite_hf_config_override(hf_config: Any, *args: Any, **kwargs: Any) -> Any:
     hf_config = _original_hf_config_override()(hf_config, *args, **kwargs)
     if is_dlite_config(hf_config):
         model = str(getattr(hf_config, "name_or_path", "") or "")
+        if not model:
+            raise ValueError("a DLite draft config without its checkpoint path (name_or_path): pass the "
+                             "checkpoint directory or repo id as speculative_config['model']")
         if model not in _CHECKED:  # a SpeculativeConfig built without the engine-args step: validate here
             validate_dlite_checkpoint(model)
-        directory, cfg = _CHECKED[model]
-        setattr(hf_config, CHECKPOINT_ATTR, {"directory": str(directory), "config": cfg.to_dict()})
+        directory, cfg, given, revision = _CHECKED[model]
+        setattr(hf_config, CHECKPOINT_ATTR, {"directory": str(directory), "model": given, "revision": revision,
+                                             "config": cfg.to_dict()})
         hf_config.architectures = [DRAFT_ARCHITECTURE]
         hf_config.eagle_aux_hidden_state_layer_ids = cfg.aux_layer_ids
         hf_config.mask_token_id = cfg.mask_token_id
@@ -367,7 +378,7 @@ def prepare_speculative_config(spec: dict[str, Any], target_model_config: Any = 
     out = dict(spec)
     # 0.34+: the registered "dlite" (registry_v034); before: vLLM's parallel-drafting path
     out["method"] = DLITE_METHOD if registry_in_use() else VLLM_METHOD
-    out["model"] = str(directory) if Path(str(model)).exists() else model
+    out["model"] = str(directory) if Path(os.path.expanduser(str(model))).exists() else model
     if out.get("num_speculative_tokens") is None:
         out["num_speculative_tokens"] = cfg.num_draft_tokens
     # vLLM drops the last matched prefix-cache block for drafters that read the target's hidden

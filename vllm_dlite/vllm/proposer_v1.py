@@ -22,7 +22,8 @@ replaces what touches the draft model:
   ``take_last_draft_probs`` returns those probabilities for lossless rejection sampling.
 
 Mixed prefill/decode batches, chunked prefill, preemption and requests finishing mid-batch need no
-state here (the drafter is history-free): each round reads only the current batch. Drafts of a
+state here (the drafter is history-free): each round reads only the current batch (and, with
+G > 2, the requests' token history that vLLM keeps). Drafts of a
 partial prefill chunk are computed from its last scheduled row and discarded by vLLM's scheduler
 (``Scheduler.update_draft_token_ids`` ignores drafts of prefill chunks); a preempted request is
 re-prefilled and drafted from its new last row.

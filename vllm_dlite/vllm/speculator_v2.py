@@ -41,7 +41,8 @@ subclass so that vLLM's cudagraph memory profiling drops them like its own specu
 Adaptive verification (``"enable_adaptive_verification": true``, vLLM's; it needs full CUDA
 graphs, so a GPU): vLLM's online acceptance estimator reads the sequential head's logits at every
 draft position (:meth:`DLiteSpeculator._estimate_acceptance`), eagerly and inside the graphs; vLLM's
-runner then verifies only the draft slots worth their cost. ``docs/adaptive-verification.md``.
+runner then verifies only the draft slots worth their cost. ``docs/adaptive-verification.md``;
+checked on CPU against vLLM's estimator, untested on a GPU.
 
 Not supported (clear errors or warnings): tensor/data parallel drafting with a sharded vocab,
 draft watermarking, multimodal draft inputs.
@@ -225,6 +226,7 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
         pool = current_platform.get_global_graph_pool()
         self.features.zero_()
         self.group_ids.zero_()
+        self.idx_mapping.fill_(-1)  # no request: the estimator (adaptive verification) skips every row
         logger.info("DLite: capturing %d draft CUDA graphs", len(self.graphs.sizes))
         for n in sorted(self.graphs.sizes, reverse=True):  # largest first: pool reuse
             self._draft_static(n)  # warm-up (allocator, lazy init)
@@ -329,8 +331,9 @@ class DLiteSpeculator(DraftModelSpeculator):  # type: ignore[misc,valid-type]
             return self.draft_tokens[:n]
 
         padded = None
-        # dummy runs replay too: vLLM times them for adaptive verification's draft-cost curve
+        # with adaptive verification dummy runs replay too: vLLM times them for its draft-cost curve
         if (self.graphs is not None and not is_profile and group_lens is None
+                and (not dummy_run or estimate)
                 and k == self.num_speculative_steps):
             padded = self.graphs.padded_size(n)
         if padded is not None:
