@@ -34,7 +34,7 @@ setup-vllm034:                 ## builds .venv-vllm034: vLLM 0.34 for CPU (scrip
 	bash scripts/setup_vllm034.sh
 
 test-vllm034: setup setup-vllm034  ## every engine check on vLLM 0.34's Model Runner V2 (through the V2 harness)
-	$(PY034) -m pytest -q --durations=25 $(VLLM034_TESTS)
+	$(PY034) -m pytest -q -rs --durations=25 $(VLLM034_TESTS)
 
 test-vllm034-ci: setup setup-vllm034  ## CI's 0.34 subset
 	$(PY034) -m pytest -q --durations=10 $(VLLM034_CI)
