@@ -87,19 +87,13 @@ def test_table_compares_reports_bucket_by_bucket():
     assert "->" not in format_table(report(0.9, 0.3))
 
 
-@pytest.mark.slow
-def test_long_stage_resumes_where_it_stopped(tmp_path):
-    """Two steps, then the same command with a third: the rerun continues from the saved state
-    (same first two steps, one more), and the stage is recorded in the training report."""
-    import json
+def _tiny_target(src):
+    """A one-layer Qwen3 with the shipped target's tokenizer and chat template, saved at src."""
     import shutil
 
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from lab.target import long
-
-    src = tmp_path / "tiny"
     cfg = Qwen3Config(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32768,
                       tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=[2, 0])
@@ -107,6 +101,20 @@ def test_long_stage_resumes_where_it_stopped(tmp_path):
     Qwen3ForCausalLM(cfg).save_pretrained(src)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TARGET_DIR / name, src / name)
+    return src
+
+
+@pytest.mark.slow
+def test_long_stage_resumes_where_it_stopped(tmp_path):
+    """Two steps, then the same command with a third: the rerun continues from the saved state
+    (same first two steps, one more), and the stage is recorded in the training report."""
+    import json
+
+    from transformers import Qwen3ForCausalLM
+
+    from lab.target import long
+
+    src = _tiny_target(tmp_path / "tiny")
     common = ["--target", str(src), "--out", str(tmp_path / "out"), "--state", str(tmp_path / "state.pt"),
               "--sessions", "2", "--short-sessions", "2", "--short-batch", "2", "--max-len", "8192",
               "--save-every-s", "0", "--threads", "1"]
@@ -127,21 +135,10 @@ def test_long_stage_trains_whole_file_completions_within_the_length_cap(tmp_path
     than the step's cap, with the loss on the reply (a finite assistant CE)."""
     import json
     import math
-    import shutil
-
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from lab.target import long
 
-    src = tmp_path / "tiny"
-    cfg = Qwen3Config(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32768,
-                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=[2, 0])
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(cfg).save_pretrained(src)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(TARGET_DIR / name, src / name)
+    src = _tiny_target(tmp_path / "tiny")
     long.main(["--target", str(src), "--out", str(tmp_path / "out"), "--state", str(tmp_path / "state.pt"),
                "--sessions", "2", "--short-sessions", "2", "--short-share", "0", "--file-sessions", "6",
                "--file-share", "1", "--max-len", "8192", "--steps", "3", "--threads", "1"])
