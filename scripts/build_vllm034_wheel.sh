@@ -7,7 +7,8 @@
 # <oneDNN source tree>: oneDNN at tag v3.13 (github uxlfoundation/oneDNN), what 0.34's
 # cmake/cpu_extension.cmake would download; passed to CMake as FETCHCONTENT_SOURCE_DIR_ONEDNN.
 # VLLM_SDIST=<vllm-0.34.0.tar.gz> uses a source archive you have; else pip downloads it.
-# STOP_AFTER=prepare stops before the compile (checks the inputs, the patch and the build env).
+# STOP_AFTER=prepare stops before the compile (checks the inputs, the patch and the build env);
+# STOP_AFTER=configure also runs vLLM's CMake configure step (oneDNN included) in build/vllm034/configure.
 #
 # What it does:
 #   * a build virtualenv (build/vllm034-venv) with torch 2.14.0 and the sdist's
@@ -18,7 +19,10 @@
 #     compiler error (vLLM's csrc/cpu/sgl-kernels/flash_mla.cpp), which is why vLLM asks for 12.3
 #     (scripts/setup_vllm034.sh makes `_C` the AVX-512 library on such CPUs);
 #   * torch 2.14's CMake config insists on CUDA: it is pointed at the CUDA toolkit that PyPI's
-#     nvidia-* wheels (pulled in by torch) provide, plus nvcc from nvidia-cuda-nvcc;
+#     nvidia-* wheels (pulled in by torch) provide, plus nvcc from nvidia-cuda-nvcc at the runtime's
+#     version (torch's CMake refuses an nvcc newer than the headers, and a newer nvvm writes PTX the
+#     older ptxas rejects), completed to a toolkit's layout (lib64, unversioned libraries) so that
+#     CMake's FindCUDA and nvcc's own link step find cudart;
 #   * VLLM_TARGET_DEVICE=cpu, --py-limited-api=cp38, cargo kept off PATH (the optional Rust front end
 #     needs crates that cannot be fetched here).
 set -euo pipefail
@@ -32,7 +36,10 @@ mkdir -p "$WORK"
 [ -x "$BVENV/bin/python" ] || python3 -m venv "$BVENV"
 pip() { "$BVENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q "torch==$TORCH" cmake ninja packaging "setuptools>=77,<81" "setuptools-scm>=8" setuptools-rust \
-  wheel jinja2 regex nvidia-cuda-nvcc >&2
+  wheel jinja2 regex >&2
+cuda_rt=$("$BVENV/bin/python" -c "from importlib.metadata import version; print(version('nvidia-cuda-runtime'))")
+cuda_mm=${cuda_rt%.*}
+pip install -q "nvidia-cuda-nvcc==$cuda_mm.*" "nvidia-cuda-crt==$cuda_mm.*" "nvidia-nvvm==$cuda_mm.*" >&2
 
 sdist=${VLLM_SDIST:-}
 if [ -z "$sdist" ]; then
@@ -70,15 +77,29 @@ pip install -q -r "$WORK/build-requirements.txt" "torch==$TORCH" >&2
 site=$("$BVENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cuda="$site/nvidia/cu13"
 [ -x "$cuda/bin/nvcc" ] || { echo "error: no nvcc at $cuda/bin (pip nvidia-cuda-nvcc)" >&2; exit 2; }
+# a toolkit's layout: lib64, and libcudart.so (etc.) beside the wheels' libcudart.so.13
+(cd "$cuda/lib" && for f in *.so.*; do [ -e "${f%%.so*}.so" ] || ln -s "$f" "${f%%.so*}.so"; done)
+[ -e "$cuda/lib64" ] || ln -s lib "$cuda/lib64"
 if [ "${STOP_AFTER:-}" = prepare ]; then
-  echo "[build_vllm034_wheel] prepared $src (gate lowered, build env $BVENV, CUDA $cuda)" >&2
+  echo "[build_vllm034_wheel] prepared $src (gate lowered, build env $BVENV, CUDA $cuda_rt at $cuda)" >&2
   echo "$src"
   exit 0
 fi
 
 export VLLM_VERSION_OVERRIDE=0.34.0+cpu VLLM_TARGET_DEVICE=cpu MAX_JOBS=${MAX_JOBS:-2} CMAKE_BUILD_TYPE=Release
 export FETCHCONTENT_SOURCE_DIR_ONEDNN="$ONEDNN_SRC"
-export CMAKE_ARGS="-DCUDA_TOOLKIT_ROOT_DIR=$cuda -DCMAKE_CUDA_COMPILER=$cuda/bin/nvcc -DCUDA_nvrtc_LIBRARY=$cuda/lib/libnvrtc.so.13"
+export CMAKE_ARGS="-DCUDA_TOOLKIT_ROOT_DIR=$cuda -DCMAKE_CUDA_COMPILER=$cuda/bin/nvcc"
 PATH=$(echo "$PATH" | tr ':' '\n' | grep -v cargo | paste -sd:)
+if [ "${STOP_AFTER:-}" = configure ]; then
+  # the configure step setup.py's build_ext runs first, on its own
+  rm -rf "$WORK/configure" && mkdir -p "$WORK/configure"
+  # shellcheck disable=SC2086
+  (cd "$WORK/configure" && PATH="$BVENV/bin:$PATH" cmake "$src" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+     -DVLLM_TARGET_DEVICE=cpu -DVLLM_PYTHON_EXECUTABLE="$BVENV/bin/python" \
+     -DFETCHCONTENT_BASE_DIR="$WORK/configure/.deps" $CMAKE_ARGS >&2)
+  echo "[build_vllm034_wheel] configured $src in $WORK/configure" >&2
+  echo "$src"
+  exit 0
+fi
 (cd "$src" && PATH="$BVENV/bin:$PATH" "$BVENV/bin/python" setup.py bdist_wheel --py-limited-api=cp38 >&2)
 ls "$src"/dist/vllm-0.34.0*.whl | tail -1
