@@ -1,4 +1,4 @@
-"""DLite in vLLM, offline: the same agent turns generated without speculation and with DLite.
+"""DLite in vLLM, offline: where it pays off on this machine and where it does not.
 
     .venv/bin/python examples/offline_generate.py                 # `make demo`: tiny target, DLite drafter
     .venv/bin/python examples/offline_generate.py --methods none,dlite,ngram
@@ -8,16 +8,26 @@ the repository's lab (``lab/harness/runners.py``: Model Runner V2 through Triton
 
 What it does, all through vLLM's public API:
 
-* prompts: assistant turns of held-out agentic sessions (``benchmarks/workloads/*.jsonl``: the
-  session's messages up to the turn and its tools, rendered with the target's chat template),
-  spread over short and long contexts;
+* two scenarios on held-out agentic sessions (``benchmarks/workloads/*.jsonl``: each prompt is a
+  session's messages before one assistant turn, with its tools, rendered with the target's chat
+  template), each turn's prompt at most ``--max-prompt-tokens``:
+
+  - **session**: the first ``--sessions`` sessions, turn after turn, one request at a time, as an
+    agent loop sends them (each turn's prompt extends the last one's, so vLLM's prefix cache holds
+    most of it);
+  - **batch**: ``--batch`` turns spread over all sessions, submitted at once (the engine runs them
+    together), prefix cache emptied first;
+
 * one engine per method, each in its own process, one after another:
   ``LLM(model=target, speculative_config={"method": "dlite", "model": drafter})`` (K defaults to
-  the drafter's block size); greedy, vLLM's logging at WARNING;
-* a table: tau (tokens per target step: 1 + accepted drafts / verify steps, from vLLM's
-  ``spec_decode`` counters), output tokens/s of the timed batch (after one warm-up request), and
-  whether every output is token-for-token the no-speculation output (it must be: vLLM's rejection
-  sampler makes speculative decoding lossless).
+  the drafter's block size); greedy, vLLM's logging at WARNING; one warm-up request, then the
+  scenarios;
+* per scenario and method: tau (tokens per target step: 1 + accepted drafts / verify steps, from
+  vLLM's ``spec_decode`` counters), output tokens/s (all output tokens / the scenario's wall time),
+  the ratio to no speculation's tok/s, and whether every output is token-for-token the
+  no-speculation output (it must be: vLLM's rejection sampler makes speculative decoding lossless);
+  then one line per scenario saying whether a method paid off there (more than 5% faster than no
+  speculation), by the measured ratio.
 """
 
 from __future__ import annotations
@@ -34,13 +44,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def agent_turn_prompts(workload: str, tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
-    """``n`` prompts (token ids), each the history before one assistant turn of a session, spread
-    evenly over all turns that fit ``max_prompt_tokens``."""
-    prompts = []
+def agent_turns(workload: str, tokenizer, max_prompt_tokens: int) -> list[list[list[int]]]:
+    """Per session, the prompts (token ids) of its assistant turns in order, each the session's
+    history before the turn; a session ends at its first turn longer than ``max_prompt_tokens``."""
+    sessions = []
     for line in Path(workload).read_text().splitlines():
         session = json.loads(line)
-        messages = session["messages"]
+        messages, turns = session["messages"], []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
@@ -49,9 +59,21 @@ def agent_turn_prompts(workload: str, tokenizer, n: int, max_prompt_tokens: int)
             ids = list(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5: a BatchEncoding
             if len(ids) > max_prompt_tokens:
                 break  # later turns of a session only get longer
-            prompts.append(ids)
-    step = max(1, len(prompts) // n)
-    return prompts[::step][:n]
+            turns.append(ids)
+        if turns:
+            sessions.append(turns)
+    return sessions
+
+
+def scenarios(sessions: list[list[list[int]]], n_sessions: int, batch: int) -> dict[str, list[list[int]]]:
+    """``session``: the first sessions' turns in order; ``batch``: turns spread evenly over all."""
+    every = [turn for turns in sessions for turn in turns]
+    return {"session": [turn for turns in sessions[:n_sessions] for turn in turns],
+            "batch": every[::max(1, len(every) // batch)][:batch]}
+
+
+DESCRIBE = {"session": "one agent session, turn after turn, one request at a time",
+            "batch": "agent turns from many sessions in one batch"}
 
 
 def speculative_config(method: str, drafter: str, k: int | None) -> dict | None:
@@ -78,8 +100,8 @@ def spec_counters(llm) -> tuple[float, float]:
     return drafts, accepted
 
 
-def run_method(method: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    """One engine, one warm-up request, one timed batch (in a fresh process)."""
+def run_method(method: str, args: argparse.Namespace, work: dict[str, list[list[int]]]) -> dict:
+    """One engine (in a fresh process), one warm-up request, then each scenario timed."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if args.runner == "v2":
         sys.path.insert(0, str(REPO))
@@ -94,20 +116,28 @@ def run_method(method: str, args: argparse.Namespace, prompts: list[list[int]]) 
     # process (already one per method), so nothing is left running when it returns
     use_cpu_env(2, threads=1, in_process=True)
     llm = LLM(model=args.target, dtype="float32", max_model_len=args.max_prompt_tokens + args.max_tokens + 64,
-              max_num_seqs=args.max_num_seqs, seed=0, disable_log_stats=False,
+              max_num_seqs=len(work["batch"]), seed=0, disable_log_stats=False, enable_prefix_caching=True,
               speculative_config=speculative_config(method, args.drafter, args.k))
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    drafts0, accepted0 = spec_counters(llm)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    drafts, accepted = (a - b for a, b in zip(spec_counters(llm), (drafts0, accepted0)))
+    llm.generate([{"prompt_token_ids": work["batch"][0]}], SamplingParams(temperature=0.0, max_tokens=4),
+                 use_tqdm=False)
+    result = {}
+    for name, prompts in work.items():
+        llm.reset_prefix_cache()
+        drafts0, accepted0 = spec_counters(llm)
+        t0 = time.perf_counter()
+        if name == "session":  # the agent loop: the next turn is sent when the last reply is back
+            outs = [llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0] for p in prompts]
+        else:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        drafts, accepted = (a - b for a, b in zip(spec_counters(llm), (drafts0, accepted0)))
+        result[name] = dict(outputs=[list(o.outputs[0].token_ids) for o in outs], wall_s=wall,
+                            tau=1 + accepted / drafts if drafts else None)
     runners = llm.collective_rpc(lambda worker: type(worker.model_runner).__module__)
-    outputs = [list(o.outputs[0].token_ids) for o in outs]
     shutdown(llm)
-    return dict(outputs=outputs, wall_s=wall, tau=1 + accepted / drafts if drafts else None,
-                runner="V2" if all(".worker.gpu." in m or ".worker.cpu." in m for m in runners) else "V1")
+    result["runner"] = "V2" if all(".worker.gpu." in m or ".worker.cpu." in m for m in runners) else "V1"
+    return result
 
 
 def main() -> None:
@@ -117,38 +147,51 @@ def main() -> None:
     ap.add_argument("--workload", default=str(REPO / "benchmarks/workloads/heldout_agentic.jsonl"))
     ap.add_argument("--methods", default="none,dlite",
                     help="comma-separated: none, dlite, ngram")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-prompt-tokens", type=int, default=4096)
+    ap.add_argument("--sessions", type=int, default=2, help="sessions of the session scenario")
+    ap.add_argument("--batch", type=int, default=8, help="turns of the batch scenario")
+    ap.add_argument("--max-prompt-tokens", type=int, default=8192)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("-k", type=int, default=None, help="draft tokens per step (default: the drafter's block size)")
-    ap.add_argument("--max-num-seqs", type=int, default=4, help="requests the engine runs at once")
     ap.add_argument("--runner", choices=("v1", "v2"), default="v1",
                     help="vLLM model runner (v2 on CPU runs through Triton's interpreter: slow)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
 
-    prompts = agent_turn_prompts(args.workload, AutoTokenizer.from_pretrained(args.target),
-                                 args.num_prompts, args.max_prompt_tokens)
-    print(f"{len(prompts)} agent turns of {Path(args.workload).name} "
-          f"({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens), greedy, "
-          f"{args.max_tokens} new tokens max, {args.max_num_seqs} requests at once, float32")
+    work = scenarios(agent_turns(args.workload, AutoTokenizer.from_pretrained(args.target), args.max_prompt_tokens),
+                     args.sessions, args.batch)
+    print(f"{Path(args.workload).name}, greedy, {args.max_tokens} new tokens max per turn, float32, "
+          f"{os.cpu_count()} CPU cores")
+    for name, prompts in work.items():
+        print(f"  {name}: {DESCRIBE[name]}: {len(prompts)} turns of {min(map(len, prompts))}-"
+              f"{max(map(len, prompts))} prompt tokens")
     results = {}
     for method in args.methods.split(","):
         print(f"[{method}] starting an engine ...", flush=True)
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            results[method] = pool.submit(run_method, method, args, prompts).result()
+            results[method] = pool.submit(run_method, method, args, work).result()
 
     base = results.get("none")
-    print(f"\n{'method':15} {'runner':6} {'tau':>5} {'tok/s':>7} {'speed-up':>8}  identical to none")
-    for method, r in results.items():
-        tokens = sum(map(len, r["outputs"]))
-        speed = f"{(tokens / r['wall_s']) / (sum(map(len, base['outputs'])) / base['wall_s']):.2f}x" if base else "-"
-        same = "-" if base is None or r is base else ("yes" if r["outputs"] == base["outputs"] else "NO")
-        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
-        print(f"{method:15} {r['runner']:6} {tau:>5} {tokens / r['wall_s']:7.1f} {speed:>8}  {same}")
-    print("tau: tokens per target step; tok/s: output tokens per second of the whole batch on this machine")
-    if base and any(r["outputs"] != base["outputs"] for r in results.values()):
+    runner = {r["runner"] for r in results.values()}
+    print(f"\n{'scenario':9} {'method':8} {'tau':>5} {'tok/s':>7} {'vs none':>8}  identical to none   "
+          f"(runner {'/'.join(sorted(runner))})")
+    verdicts, differ = [], False
+    for name in work:
+        base_speed = sum(map(len, base[name]["outputs"])) / base[name]["wall_s"] if base else None
+        for method, r in results.items():
+            s = r[name]
+            speed = sum(map(len, s["outputs"])) / s["wall_s"]
+            ratio = speed / base_speed if base else None
+            same = "-" if base is None or r is base else ("yes" if s["outputs"] == base[name]["outputs"] else "NO")
+            differ |= same == "NO"
+            tau = f"{s['tau']:.2f}" if s["tau"] else "-"
+            print(f"{name:9} {method:8} {tau:>5} {speed:7.1f} {f'{ratio:.2f}x' if ratio else '-':>8}  {same}")
+            if ratio and method != "none":
+                pays = "pays off" if ratio > 1.05 else "does not pay off"
+                verdicts.append(f"{DESCRIBE[name]}: {method} {pays} here ({ratio:.2f}x no speculation's tok/s)")
+    print("tau: tokens per target step; tok/s: output tokens over the scenario's wall time on this machine")
+    print("\n".join(verdicts))
+    if differ:
         raise SystemExit("outputs differ from no speculation's: speculative decoding must be lossless")
 
 
