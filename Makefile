@@ -15,7 +15,7 @@ VLLM034_CI := "tests/test_shipped_models.py::test_lossless_greedy_on_agentic_and
 setup:
 	bash scripts/setup_env.sh
 
-demo: setup                    ## no speculation vs DLite: one agent session turn after turn, and 8 turns in one batch (vLLM V1, CPU)
+demo: setup                    ## no speculation vs DLite: 2 agent sessions one at a time, turn after turn, and 8 turns in one batch (vLLM V1, CPU)
 	$(PY) examples/offline_generate.py
 
 test: setup                    ## every test under ~20 s (2.5 min on this 2-core host)

@@ -72,7 +72,7 @@ def scenarios(sessions: list[list[list[int]]], n_sessions: int, batch: int) -> d
             "batch": every[::max(1, len(every) // batch)][:batch]}
 
 
-DESCRIBE = {"session": "one agent session, turn after turn, one request at a time",
+DESCRIBE = {"session": "agent sessions one at a time, turn after turn (one request at a time)",
             "batch": "agent turns from many sessions in one batch"}
 
 
