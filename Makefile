@@ -45,6 +45,8 @@ workloads: setup               ## regenerate the shipped held-out workload files
 	    --out benchmarks/workloads/heldout_$${k%%:*}.jsonl; done
 	$(PY) -m vllm_dlite.train.workloads.generator --kind code --context file --split heldout -n 30 --seed 1 \
 	  --out benchmarks/workloads/heldout_code_long_file.jsonl
+	$(PY) -m vllm_dlite.train.workloads.generator --kind code --context docstring --split heldout -n 40 --seed 1 \
+	  --out benchmarks/workloads/heldout_code_docstring.jsonl
 
 target: setup                  ## retrain the tiny target on this machine (~50 min + 50 min on 2 cores; the shipped one: scripts/gpu_session.sh)
 	$(PY) -m lab.target.train --out models/qwen3-tiny-stdlib

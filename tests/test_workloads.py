@@ -1,5 +1,6 @@
 """Workload generator: determinism, schema, split by source file, agentic shape, real tool results."""
 
+import ast
 import copy
 import json
 
@@ -131,7 +132,30 @@ def test_code_with_the_whole_file_before_the_body():
         generator.generate("chat", "heldout", 1, context="file")
 
 
-def test_shipped_long_file_code_is_reproducible():
+def test_docstring_questions_about_a_whole_file():
+    sessions = generator.generate("code", "heldout", 6, seed=1, context="docstring")
+    assert json.dumps(sessions) == json.dumps(generator.generate("code", "heldout", 6, seed=1, context="docstring"))
+    classes = set()
+    for s in sessions:
+        prompt, reply = s["messages"][0]["content"], s["messages"][1]["content"]
+        qualname, path = prompt.split("`")[1], prompt.split("`")[3]
+        source = prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        answer = ast.literal_eval(reply.removeprefix("```python\n").removesuffix("\n```"))
+        fn = next(f for f in generator.functions_of(path) if f.qualname == qualname
+                  and generator.first_paragraph(f.docstring) == answer)
+        lines = generator.read_text(path).splitlines()
+        a, b = fn.docstring_lines
+        assert source == "\n".join(lines[: a - 1] + lines[b:])  # the whole file less that docstring
+        assert answer not in " ".join(source.split())  # the reply is not in the prompt
+        classes.add(next(i for i, (lo, hi) in enumerate(generator.FILE_CONTEXT_CHARS) if lo <= len(source) < hi))
+    assert classes == {0, 1, 2}
+    assert len({s["messages"][0]["content"] for s in sessions}) == len(sessions)
+
+
+def test_shipped_whole_file_workloads_are_reproducible():
     shipped = list(read_sessions(str(WORKLOADS / "heldout_code_long_file.jsonl")))
     fresh = generator.generate("code", "heldout", 3, seed=1, context="file")
+    assert json.dumps(shipped[:3]) == json.dumps(fresh), "run `make workloads`"
+    shipped = list(read_sessions(str(WORKLOADS / "heldout_code_docstring.jsonl")))
+    fresh = generator.generate("code", "heldout", 3, seed=1, context="docstring")
     assert json.dumps(shipped[:3]) == json.dumps(fresh), "run `make workloads`"

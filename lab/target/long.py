@@ -11,9 +11,10 @@ with the loss on *every* assistant turn of it (``CE_assistant + 0.1 * CE_all``).
 length curriculum: up to 8k for the first quarter of the run, 16k for the second, then the full
 window; a share of steps (``--short-share``) trains on short code/chat sessions instead, so that
 the short skills stay. With ``--file-sessions N``, a share of the long steps (``--file-share``)
-trains on code completions whose prompt is the whole file before the body (training-split
-``context="file"`` sessions no longer than the step's length cap): long prompts whose reply is
-not a copy of them. Gradient checkpointing keeps 30k-token steps within ~6 GB on CPU.
+trains on whole-file code sessions no longer than the step's length cap, N per context in
+``--file-contexts``: ``file`` (complete a body given the whole file before it) and ``docstring``
+(write back a docstring removed from the whole file): long prompts whose reply is not a copy of
+them. Gradient checkpointing keeps 30k-token steps within ~6 GB on CPU.
 
 Resumable: every ``--save-every-s`` seconds the model, optimizer, step and elapsed time go to
 ``--state``; rerunning the same command continues from there (the schedule follows the elapsed
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--short-batch", type=int, default=8)
     ap.add_argument("--file-sessions", type=int, default=0,
                     help="training-split whole-file code completions (0: agentic sessions only)")
+    ap.add_argument("--file-contexts", default="file",
+                    help="comma-separated generator contexts of the whole-file sessions: file, docstring")
     ap.add_argument("--file-share", type=float, default=0.5, help="share of long steps on them")
     ap.add_argument("--max-len", type=int, default=30720, help="longest window (tokens)")
     ap.add_argument("--steps", type=int, default=120)
@@ -85,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device = resolve_device(ap, args)
+    file_contexts = args.file_contexts.split(",")
+    if not set(file_contexts) <= {"file", "docstring"}:
+        ap.error(f"--file-contexts takes file and/or docstring, got {args.file_contexts!r}")
     if args.max_len < 8192:
         ap.error(f"--max-len must be >= 8192 (the curriculum's first cap), got {args.max_len}")
 
@@ -108,11 +114,12 @@ def main(argv: list[str] | None = None) -> None:
                   + session_docs(tok, "chat", args.short_sessions, args.seed))
     header, end_id = turn_markers(tok)
     long_items = [(d, assistant_spans(d, header, end_id)) for d in long_docs]
-    file_docs = session_docs(tok, "code", args.file_sessions, args.seed, context="file") if args.file_sessions else []
+    file_docs = [d for c in file_contexts if args.file_sessions
+                 for d in session_docs(tok, "code", args.file_sessions, args.seed, context=c)]
     file_items = [(d, assistant_spans(d, header, end_id)) for d in file_docs]
     short_items = [(d, assistant_spans(d, header, end_id)) for d in short_docs]
     print(f"[long] {len(long_items)} agentic sessions ({sum(map(len, long_docs)):,} tokens, longest "
-          f"{max(map(len, long_docs)):,}), {len(file_items)} whole-file completions "
+          f"{max(map(len, long_docs)):,}), {len(file_items)} whole-file sessions ({args.file_contexts}) "
           f"({sum(map(len, file_docs)):,} tokens), {len(short_items)} short ({time.time() - t0:.0f}s)", flush=True)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         stage="long", steps=step, time_budget_s=args.time_budget_s or None, device=str(device),
         max_len=args.max_len, curriculum=[list(c) for c in CURRICULUM], short_share=args.short_share,
         sessions=args.sessions, short_sessions=args.short_sessions, file_sessions=args.file_sessions,
+        file_contexts=file_contexts if args.file_sessions else None,
         file_share=args.file_share if args.file_sessions else None, lr=args.lr, training_tokens=tokens,
         train_wall_s=round(elapsed), torch_threads=torch.get_num_threads(),
         command="python -m lab.target.long " + " ".join(argv if argv is not None else sys.argv[1:])))

@@ -16,7 +16,9 @@ Kinds:
 * ``code``: complete a function body given the preceding source of its file: 30-80 lines, or with
   ``context="file"`` everything before the body (``heldout_code_long_file.jsonl``: replies that are
   not copies of a prompt of up to ~28k tokens; the length class is a stable hash of the id, so prompts
-  spread over ``FILE_CONTEXT_CHARS``).
+  spread over ``FILE_CONTEXT_CHARS``). With ``context="docstring"`` the prompt is a whole file from
+  which one function's docstring was removed and the reply is that docstring's first paragraph
+  (``heldout_code_docstring.jsonl``: a question about a long file whose answer is prose, not in it).
 * ``chat``: short one- or two-turn questions answered from stdlib docstrings.
 """
 
@@ -104,6 +106,7 @@ class FunctionInfo:
     end_lineno: int
     body_lineno: int     # first line of the body after the docstring
     docstring: str | None
+    docstring_lines: tuple[int, int] | None = None  # 1-based first and last line of the docstring
 
 
 def functions_of(relpath: str) -> list[FunctionInfo]:
@@ -118,8 +121,10 @@ def functions_of(relpath: str) -> list[FunctionInfo]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(child)
                 body = child.body[1:] if doc is not None and len(child.body) > 1 else child.body
+                doc_node = child.body[0] if doc is not None else None
                 out.append(FunctionInfo(relpath, child.name, prefix + child.name, child.lineno,
-                                        child.end_lineno or child.lineno, body[0].lineno, doc))
+                                        child.end_lineno or child.lineno, body[0].lineno, doc,
+                                        (doc_node.lineno, doc_node.end_lineno) if doc_node else None))
             elif isinstance(child, ast.ClassDef):
                 visit(child, prefix + child.name + ".")
     visit(tree, "")
@@ -360,17 +365,45 @@ def code_session(rng: random.Random, sid: str, path: str, context: str = "lines"
     return sb.session()
 
 
+def first_paragraph(docstring: str) -> str:
+    return " ".join(docstring.strip().split("\n\n")[0].split())
+
+
+def docstring_session(rng: random.Random, sid: str, path: str) -> dict | None:
+    """``context="docstring"``: the whole file without one function's docstring; the reply writes
+    the first paragraph of it back (40-400 characters of prose, none of it left in the prompt)."""
+    lines = read_text(path).splitlines()
+    lo, hi = FILE_CONTEXT_CHARS[int(hashlib.sha256(sid.encode()).hexdigest(), 16) % 3]
+    funcs = [f for f in functions_of(path) if f.docstring_lines and f.body_lineno > f.docstring_lines[1]
+             and 40 <= len(first_paragraph(f.docstring)) <= 400 and '"""' not in f.docstring
+             and "\\" not in f.docstring]
+    funcs = [f for f in funcs if lo <= len("\n".join(lines)) - sum(
+        len(x) + 1 for x in lines[f.docstring_lines[0] - 1: f.docstring_lines[1]]) < hi]
+    if not funcs:
+        return None
+    fn = rng.choice(funcs)
+    answer = first_paragraph(fn.docstring)
+    source = "\n".join(lines[: fn.docstring_lines[0] - 1] + lines[fn.docstring_lines[1]:])
+    if answer in " ".join(source.split()) or answer.endswith('"'):  # elsewhere in the file: a copy
+        return None
+    prompt = (f"The docstring of `{fn.qualname}` was removed from `{path}` below. Write the first "
+              f"paragraph of it. Reply with the docstring only.\n\n```python\n{source}\n```")
+    sb = SessionBuilder(sid, "code", [])
+    sb.add("user", prompt)
+    sb.add("assistant", f'```python\n"""{answer}"""\n```')
+    return sb.session()
+
+
 def chat_session(rng: random.Random, sid: str, path: str) -> dict | None:
     funcs = [f for f in functions_of(path) if f.docstring and 20 <= len(f.docstring) <= 600]
     if not funcs:
         return None
     fn = rng.choice(funcs)
     module = path[:-3].replace("/", ".").removesuffix(".__init__")
-    first_para = fn.docstring.strip().split("\n\n")[0]
     sb = SessionBuilder(sid, "chat", [])
     sb.add("user", rng.choice(["What does `{m}.{f}` do?", "Briefly explain `{f}` from the `{m}` module.",
                                "In Python's `{m}`, what is `{f}` for?"]).format(m=module, f=fn.qualname))
-    sb.add("assistant", " ".join(first_para.split()))
+    sb.add("assistant", first_paragraph(fn.docstring))
     if rng.random() < 0.5:
         lines = read_text(path).splitlines()
         sig = lines[fn.lineno - 1].strip()
@@ -382,12 +415,13 @@ def chat_session(rng: random.Random, sid: str, path: str) -> dict | None:
 BUILDERS = {"agentic": agentic_session, "code": code_session, "chat": chat_session}
 
 
-CODE_CONTEXTS = ("lines", "file")
+CODE_CONTEXTS = ("lines", "file", "docstring")
 
 
 def generate(kind: str, split: str, n: int, seed: int = 0, context: str = "lines") -> list[dict]:
     """Return ``n`` sessions of ``kind`` drawn from files of ``split`` (deterministic);
-    ``context`` (code only): "lines" (30-80 lines before the body) or "file" (all of them)."""
+    ``context`` (code only): "lines" (30-80 lines before the body), "file" (all of them) or
+    "docstring" (the whole file, write a removed docstring back)."""
     if kind not in BUILDERS:
         raise ValueError(f"kind must be one of {sorted(BUILDERS)}, got {kind!r}")
     if context not in CODE_CONTEXTS or (context != "lines" and kind != "code"):
@@ -396,7 +430,7 @@ def generate(kind: str, split: str, n: int, seed: int = 0, context: str = "lines
     rng = random.Random(f"{seed}:{kind}:{split}" + ("" if context == "lines" else f":{context}"))
     files = files_of_split(split)
     sessions: list[dict] = []
-    seen: set[str] = set()  # context="file" draws long files often: one session per prompt
+    seen: set[str] = set()  # whole-file contexts draw long files often: one session per prompt
     attempts = 0
     while len(sessions) < n and attempts < 50 * n:
         attempts += 1
@@ -405,11 +439,13 @@ def generate(kind: str, split: str, n: int, seed: int = 0, context: str = "lines
         if kind == "agentic":
             long = rng.random() < 0.4  # long sessions reach ~18-22k or ~22-29k tokens of context
             s = agentic_session(rng, sid, path, long=long)
+        elif kind == "code" and context == "docstring":
+            s = docstring_session(rng, sid, path)
         elif kind == "code":
             s = code_session(rng, sid, path, context=context)
         else:
             s = BUILDERS[kind](rng, sid, path)
-        if s is not None and context == "file":
+        if s is not None and context != "lines":
             if s["messages"][0]["content"] in seen:
                 continue
             seen.add(s["messages"][0]["content"])
@@ -431,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-n", type=int, required=True, help="number of sessions")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--context", choices=CODE_CONTEXTS, default="lines",
-                    help="code only: 30-80 lines before the body, or the whole file before it")
+                    help="code only: 30-80 lines before the body, the whole file before it, or the whole "
+                         "file less one docstring that the reply writes back")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
