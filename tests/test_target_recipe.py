@@ -74,6 +74,21 @@ def test_a_code_reply_is_well_formed_when_it_is_one_finished_nonempty_python_bod
     assert scored_kind({"content": "", "tool_calls": [{"function": {"name": "read_file"}}]}) == "tool"
 
 
+def test_a_docstring_reply_is_one_finished_block_holding_one_string_of_three_words_or_more():
+    from lab.target.evaluate import scored_kind, well_formed_docstring
+
+    reply = '```python\n"""Take the full path \'path\', and make it a relative path."""\n```'
+    assert well_formed_docstring(reply) and scored_kind({"content": reply}) == "docstring"
+    assert well_formed_docstring(reply.replace("```python\n", "```python\n    ").replace('"""', "'''"))
+    assert not well_formed_docstring('```python\n"""Return it."""\n```')  # under 3 words
+    assert not well_formed_docstring(reply[:-4])  # cut before the closing fence
+    assert not well_formed_docstring("```")  # the long-prompt failure: a bare fence
+    code = "```python\n    if not header_name:\n        return header_name\n```"
+    assert not well_formed_docstring(code)  # a function body, not a docstring
+    assert scored_kind({"content": code}) == "code"
+    assert not well_formed_docstring(reply.replace("\n```", "\nreturn 1\n```"))  # code after the string
+
+
 def test_table_compares_reports_bucket_by_bucket():
     from lab.target.evaluate import format_table
 

@@ -13,6 +13,9 @@ Per bucket of prompt tokens (``BUCKETS``: 0-2k, 2k-4k, 4k-8k, 8k-16k, 16k-32k):
 * ``well_formed_code_replies``: among turns whose reference reply is a code block (code
   completion, e.g. ``heldout_code_long_file.jsonl``), the share of greedy replies that are one
   finished, non-empty ```` ```python ```` block whose body parses as a function body;
+* ``well_formed_docstrings``: among turns whose reference reply is a docstring in a code block
+  (``heldout_code_docstring.jsonl``: write back a docstring removed from a whole file), the share
+  of greedy replies that are one finished block holding one string literal of >= 3 words;
 * ``mean_output_tokens`` and ``short_endings`` (replies of <= 2 tokens, the failure mode of a
   target that does not cope with long inputs), over the scored turns;
 * ``heldout_assistant_ce``: next-token cross-entropy on the reference assistant tokens of every
@@ -72,12 +75,34 @@ def well_formed_code_reply(text: str) -> bool:
     return True
 
 
+def docstring_of(text: str) -> str | None:
+    """The string of a reply that is one finished ```` ```python ```` block holding one string
+    literal and nothing else, else None."""
+    m = CODE_BLOCK_RE.fullmatch(text.strip())
+    try:
+        body = ast.parse(textwrap.dedent(m.group(1))).body if m else []
+    except SyntaxError:
+        return None
+    if len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        return body[0].value.value
+    return None
+
+
+def well_formed_docstring(text: str) -> bool:
+    return len((docstring_of(text) or "").split()) >= 3
+
+
 def scored_kind(reference: dict) -> str | None:
-    """What a turn's reply is scored as: ``"tool"`` (its reference calls a tool), ``"code"`` (its
-    reference is a code block), else None (not scored)."""
+    """What a turn's reply is scored as: ``"tool"`` (its reference calls a tool), ``"docstring"``
+    (its reference is a code block holding only a docstring), ``"code"`` (another code block), else
+    None (not scored)."""
     if reference.get("tool_calls"):
         return "tool"
-    return "code" if str(reference.get("content") or "").lstrip().startswith("```python") else None
+    content = str(reference.get("content") or "")
+    if not content.lstrip().startswith("```python"):
+        return None
+    return "docstring" if docstring_of(content) is not None else "code"
 
 
 def first_tool_name(text: str) -> str | None:
@@ -156,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     for r, o in zip(reqs, outs):
         text, n_out = o.outputs[0].text, len(o.outputs[0].token_ids)
         kind = scored_kind(r.reference)
-        ok = well_formed_tool_calls(text, tools[r.session_id]) if kind == "tool" else well_formed_code_reply(text)
+        ok = (well_formed_tool_calls(text, tools[r.session_id]) if kind == "tool"
+              else well_formed_docstring(text) if kind == "docstring" else well_formed_code_reply(text))
         rows[bucket_of(len(r.prompt_token_ids))].append(dict(
             prompt_tokens=len(r.prompt_token_ids), kind=kind, ok=ok, output_tokens=n_out,
             same_tool=kind == "tool" and ok
@@ -169,9 +195,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def summary(rs: list[dict]) -> dict:
         n = len(rs)
-        tool, code = [x for x in rs if x["kind"] == "tool"], [x for x in rs if x["kind"] == "code"]
+        tool, code, doc = ([x for x in rs if x["kind"] == kind] for kind in ("tool", "code", "docstring"))
         return dict(turns_scored=n,
                     well_formed_tool_calls=share(tool, "ok"), well_formed_code_replies=share(code, "ok"),
+                    well_formed_docstrings=share(doc, "ok"),
                     same_tool_as_reference=share(tool, "same_tool"),
                     mean_output_tokens=round(sum(x["output_tokens"] for x in rs) / n, 1) if n else None,
                     short_endings=sum(x["output_tokens"] <= 2 for x in rs))
@@ -201,12 +228,13 @@ def format_table(report: dict, before: dict | None = None) -> str:
 
     def cells(b: dict) -> list[str]:
         return [str(b["turns_scored"]), pct(b["well_formed_tool_calls"]), pct(b["same_tool_as_reference"]),
-                pct(b.get("well_formed_code_replies")), str(b["mean_output_tokens"]), str(b["short_endings"]),
+                pct(b.get("well_formed_code_replies")), pct(b.get("well_formed_docstrings")),
+                str(b["mean_output_tokens"]), str(b["short_endings"]),
                 str(b.get("heldout_assistant_ce", "-"))]
 
     lines = ["| prompt tokens | turns | well-formed tool calls | same tool | well-formed code replies "
-             "| mean output tokens | 2-token endings | held-out assistant CE |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| well-formed docstrings | mean output tokens | 2-token endings | held-out assistant CE |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, b in report["by_bucket"].items():
         now = cells(b)
         if before is not None:
