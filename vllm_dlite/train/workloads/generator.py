@@ -345,6 +345,13 @@ def agentic_session(rng: random.Random, sid: str, path: str, long: bool) -> dict
 FILE_CONTEXT_CHARS = ((2_500, 9_000), (9_000, 36_000), (36_000, 125_000))
 
 
+def one_turn_code_session(sid: str, prompt: str, reply: str) -> dict:
+    sb = SessionBuilder(sid, "code", [])
+    sb.add("user", prompt)
+    sb.add("assistant", reply)
+    return sb.session()
+
+
 def code_session(rng: random.Random, sid: str, path: str, context: str = "lines") -> dict | None:
     funcs = [f for f in functions_of(path) if 3 <= f.end_lineno - f.body_lineno + 1 <= 30]
     lines = read_text(path).splitlines()
@@ -359,10 +366,7 @@ def code_session(rng: random.Random, sid: str, path: str, context: str = "lines"
     body = "\n".join(lines[fn.body_lineno - 1: fn.end_lineno])
     prompt = (f"Complete the body of `{fn.qualname}` in `{path}`. Reply with the body only.\n\n"
               f"```python\n{context_src}\n```")
-    sb = SessionBuilder(sid, "code", [])
-    sb.add("user", prompt)
-    sb.add("assistant", f"```python\n{body}\n```")
-    return sb.session()
+    return one_turn_code_session(sid, prompt, f"```python\n{body}\n```")
 
 
 def first_paragraph(docstring: str) -> str:
@@ -388,10 +392,7 @@ def docstring_session(rng: random.Random, sid: str, path: str) -> dict | None:
         return None
     prompt = (f"The docstring of `{fn.qualname}` was removed from `{path}` below. Write the first "
               f"paragraph of it. Reply with the docstring only.\n\n```python\n{source}\n```")
-    sb = SessionBuilder(sid, "code", [])
-    sb.add("user", prompt)
-    sb.add("assistant", f'```python\n"""{answer}"""\n```')
-    return sb.session()
+    return one_turn_code_session(sid, prompt, f'```python\n"""{answer}"""\n```')
 
 
 def chat_session(rng: random.Random, sid: str, path: str) -> dict | None:
