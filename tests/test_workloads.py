@@ -115,6 +115,12 @@ def test_replay_one_request_per_assistant_turn(tok, heldout_agentic, tmp_path):
     assert text.endswith("<|im_start|>assistant\n") and "<tool_response>" in text
 
 
+def _source_and_length_class(prompt: str) -> tuple[str, int]:
+    """The code block of a whole-file prompt, and the ``FILE_CONTEXT_CHARS`` class of its length."""
+    source = prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+    return source, next(i for i, (lo, hi) in enumerate(generator.FILE_CONTEXT_CHARS) if lo <= len(source) < hi)
+
+
 def test_code_with_the_whole_file_before_the_body():
     sessions = generator.generate("code", "heldout", 6, seed=1, context="file")
     assert json.dumps(sessions) == json.dumps(generator.generate("code", "heldout", 6, seed=1, context="file"))
@@ -122,10 +128,10 @@ def test_code_with_the_whole_file_before_the_body():
     for s in sessions:
         prompt, body = s["messages"][0]["content"], s["messages"][1]["content"]
         path = prompt.split("`")[3]
-        source = prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        source, length_class = _source_and_length_class(prompt)
         assert generator.read_text(path).startswith(source + "\n")  # from line 1 up to the body
         assert body.removeprefix("```python\n").removesuffix("\n```") not in prompt
-        classes.add(next(i for i, (lo, hi) in enumerate(generator.FILE_CONTEXT_CHARS) if lo <= len(source) < hi))
+        classes.add(length_class)
     assert classes == {0, 1, 2}
     assert len({s["messages"][0]["content"] for s in sessions}) == len(sessions)
     with pytest.raises(ValueError, match="for kind 'code' only"):
@@ -139,7 +145,7 @@ def test_docstring_questions_about_a_whole_file():
     for s in sessions:
         prompt, reply = s["messages"][0]["content"], s["messages"][1]["content"]
         qualname, path = prompt.split("`")[1], prompt.split("`")[3]
-        source = prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        source, length_class = _source_and_length_class(prompt)
         answer = ast.literal_eval(reply.removeprefix("```python\n").removesuffix("\n```"))
         fn = next(f for f in generator.functions_of(path) if f.qualname == qualname
                   and generator.first_paragraph(f.docstring) == answer)
@@ -147,7 +153,7 @@ def test_docstring_questions_about_a_whole_file():
         a, b = fn.docstring_lines
         assert source == "\n".join(lines[: a - 1] + lines[b:])  # the whole file less that docstring
         assert answer not in " ".join(source.split())  # the reply is not in the prompt
-        classes.add(next(i for i, (lo, hi) in enumerate(generator.FILE_CONTEXT_CHARS) if lo <= len(source) < hi))
+        classes.add(length_class)
     assert classes == {0, 1, 2}
     assert len({s["messages"][0]["content"] for s in sessions}) == len(sessions)
 

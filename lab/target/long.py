@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                   + session_docs(tok, "chat", args.short_sessions, args.seed))
     header, end_id = turn_markers(tok)
     long_items = [(d, assistant_spans(d, header, end_id)) for d in long_docs]
-    file_docs = [d for c in file_contexts if args.file_sessions
-                 for d in session_docs(tok, "code", args.file_sessions, args.seed, context=c)]
+    file_docs = [d for c in file_contexts for d in session_docs(tok, "code", args.file_sessions, args.seed, context=c)]
     file_items = [(d, assistant_spans(d, header, end_id)) for d in file_docs]
     short_items = [(d, assistant_spans(d, header, end_id)) for d in short_docs]
     print(f"[long] {len(long_items)} agentic sessions ({sum(map(len, long_docs)):,} tokens, longest "

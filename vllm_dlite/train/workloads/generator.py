@@ -345,6 +345,11 @@ def agentic_session(rng: random.Random, sid: str, path: str, long: bool) -> dict
 FILE_CONTEXT_CHARS = ((2_500, 9_000), (9_000, 36_000), (36_000, 125_000))
 
 
+def file_context_chars(sid: str) -> tuple[int, int]:
+    """The whole-file length class of a session id (a stable hash, so prompts spread over the classes)."""
+    return FILE_CONTEXT_CHARS[int(hashlib.sha256(sid.encode()).hexdigest(), 16) % 3]
+
+
 def one_turn_code_session(sid: str, prompt: str, reply: str) -> dict:
     sb = SessionBuilder(sid, "code", [])
     sb.add("user", prompt)
@@ -356,7 +361,7 @@ def code_session(rng: random.Random, sid: str, path: str, context: str = "lines"
     funcs = [f for f in functions_of(path) if 3 <= f.end_lineno - f.body_lineno + 1 <= 30]
     lines = read_text(path).splitlines()
     if context == "file":  # keep the functions whose preceding source falls in this id's class
-        lo, hi = FILE_CONTEXT_CHARS[int(hashlib.sha256(sid.encode()).hexdigest(), 16) % 3]
+        lo, hi = file_context_chars(sid)
         funcs = [f for f in funcs if lo <= len("\n".join(lines[: f.body_lineno - 1])) < hi]
     if not funcs:
         return None
@@ -377,17 +382,19 @@ def docstring_session(rng: random.Random, sid: str, path: str) -> dict | None:
     """``context="docstring"``: the whole file without one function's docstring; the reply writes
     the first paragraph of it back (40-400 characters of prose, none of it left in the prompt)."""
     lines = read_text(path).splitlines()
-    lo, hi = FILE_CONTEXT_CHARS[int(hashlib.sha256(sid.encode()).hexdigest(), 16) % 3]
+
+    def without_docstring(f: FunctionInfo) -> str:
+        return "\n".join(lines[: f.docstring_lines[0] - 1] + lines[f.docstring_lines[1]:])
+
+    lo, hi = file_context_chars(sid)
     funcs = [f for f in functions_of(path) if f.docstring_lines and f.body_lineno > f.docstring_lines[1]
              and 40 <= len(first_paragraph(f.docstring)) <= 400 and '"""' not in f.docstring
-             and "\\" not in f.docstring]
-    funcs = [f for f in funcs if lo <= len("\n".join(lines)) - sum(
-        len(x) + 1 for x in lines[f.docstring_lines[0] - 1: f.docstring_lines[1]]) < hi]
+             and "\\" not in f.docstring and lo <= len(without_docstring(f)) < hi]
     if not funcs:
         return None
     fn = rng.choice(funcs)
     answer = first_paragraph(fn.docstring)
-    source = "\n".join(lines[: fn.docstring_lines[0] - 1] + lines[fn.docstring_lines[1]:])
+    source = without_docstring(fn)
     if answer in " ".join(source.split()) or answer.endswith('"'):  # elsewhere in the file: a copy
         return None
     prompt = (f"The docstring of `{fn.qualname}` was removed from `{path}` below. Write the first "
