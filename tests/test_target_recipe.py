@@ -6,7 +6,7 @@ import pytest
 
 from paths import TARGET_DIR, WORKLOADS
 from lab.target.evaluate import BUCKETS, bucket_of, first_tool_name, well_formed_tool_calls
-from lab.target.long import CURRICULUM, length_cap, supervised_window
+from lab.target.long import CURRICULUM, file_session_near, length_cap, supervised_window
 from lab.target.sft import assistant_spans, turn_markers
 from lab.target.train import render_sessions
 from vllm_dlite.train.workloads.schema import read_sessions
@@ -43,6 +43,16 @@ def test_window_is_a_session_prefix_ending_at_an_assistant_turn(session, tok):
             for i in range(a, min(b, len(ids))):
                 expected[i] = 1
         assert mask == expected and 0 < sum(mask) < len(ids)
+
+
+def test_whole_file_steps_train_every_length_up_to_the_cap_about_equally():
+    # sessions skewed short as the generator makes them: 90% under 4k tokens, 10% in 4k-32k
+    items = [([0] * n, []) for n in [1000 + 3 * i for i in range(900)] + [4096 + 280 * i for i in range(100)]]
+    rng = random.Random(0)
+    picked = [len(file_session_near(items, rng.randint(0, 30720), rng)[0]) for _ in range(4000)]
+    long_share = sum(n >= 16384 for n in picked) / len(picked)
+    assert 0.4 < long_share < 0.6  # about (30720 - 16384) / 30720 of the steps, not the 5% drawn at random
+    assert min(picked) == 1000 and max(picked) >= 4096 + 280 * 95
 
 
 def test_buckets_cover_the_window():

@@ -11,10 +11,10 @@ with the loss on *every* assistant turn of it (``CE_assistant + 0.1 * CE_all``).
 length curriculum: up to 8k for the first quarter of the run, 16k for the second, then the full
 window; a share of steps (``--short-share``) trains on short code/chat sessions instead, so that
 the short skills stay. With ``--file-sessions N``, a share of the long steps (``--file-share``)
-trains on whole-file code sessions no longer than the step's length cap, N per context in
-``--file-contexts``: ``file`` (complete a body given the whole file before it) and ``docstring``
-(write back a docstring removed from the whole file): long prompts whose reply is not a copy of
-them. Gradient checkpointing keeps 30k-token steps within ~6 GB on CPU.
+trains on whole-file code sessions no longer than the step's length cap (their lengths drawn
+uniformly up to it), N per context in ``--file-contexts``: ``file`` (complete a body given the
+whole file before it) and ``docstring`` (write back a docstring removed from the whole file):
+long prompts whose reply is not a copy of them. Gradient checkpointing keeps 30k-token steps within ~6 GB on CPU.
 
 Resumable: every ``--save-every-s`` seconds the model, optimizer, step and elapsed time go to
 ``--state``; rerunning the same command continues from there (the schedule follows the elapsed
@@ -62,6 +62,14 @@ def supervised_window(doc: list[int], spans: list[tuple[int, int]], cap: int,
         for i in range(a, min(b, stop)):
             mask[i] = 1
     return doc[:stop], mask
+
+
+def file_session_near(items: list, length: int, rng: random.Random, pool: int = 8):
+    """One of the ``pool`` whole-file sessions nearest ``length`` tokens. The step draws the length
+    uniformly up to its cap, so prompts of every length are trained about equally often; drawn
+    from all sessions alike, nine in ten steps would be under 16k (the generator makes mostly
+    short files)."""
+    return rng.choice(sorted(items, key=lambda it: abs(len(it[0]) - length))[:pool])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             rows = [supervised_window(d, s, 4096, rng) for d, s in rng.sample(short_items, args.short_batch)]
             kind = "short"
         elif (fits := [it for it in file_items if len(it[0]) <= cap]) and rng.random() < args.file_share:
-            doc, spans = rng.choice(fits)
+            doc, spans = file_session_near(fits, rng.randint(0, cap), rng)
             rows = [(doc, [int(any(a <= i < b for a, b in spans)) for i in range(len(doc))])]
             kind = "file"
         else:
