@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from paths import WORKLOADS
+from paths import TARGET_DIR, WORKLOADS
 from vllm_dlite.train.workloads import generator
 from vllm_dlite.train.workloads.replay import load_replay, render_prompt
 from vllm_dlite.train.workloads.schema import WorkloadError, read_sessions, validate_session
@@ -165,3 +165,29 @@ def test_shipped_whole_file_workloads_are_reproducible():
     shipped = list(read_sessions(str(WORKLOADS / "heldout_code_docstring.jsonl")))
     fresh = generator.generate("code", "heldout", 3, seed=1, context="docstring")
     assert json.dumps(shipped[:3]) == json.dumps(fresh), "run `make workloads`"
+
+
+def test_training_data_names_mix_contexts_with_unique_session_ids(tok):
+    """``code:docstring`` in ``data.regenerate.kinds`` is the docstring workload under ids of its own:
+    the regeneration's request ids (``session#turn``) never collide with plain ``code`` sessions'."""
+    from vllm_dlite.train.data import RegenerationConfig, build_requests
+
+    plain = generator.generate("code", "train", 3, seed=1)
+    named = generator.generate_named("code:docstring", "train", 3, seed=1)
+    assert [s["messages"] for s in named] == [s["messages"] for s in
+                                              generator.generate("code", "train", 3, seed=1, context="docstring")]
+    assert [s["id"] for s in named] == [s["id"] + ":docstring" for s in plain]
+    cfg = RegenerationConfig(kinds={"code": 3, "code:docstring": 3}, max_len=32768, max_new_tokens=64)
+    requests = build_requests(TARGET_DIR, cfg, tokenizer=tok)
+    assert len({r["id"] for r in requests}) == len(requests) == 6
+    with pytest.raises(ValueError, match="context must be one of"):
+        generator.generate_named("chat:docstring", "train", 1)
+
+
+def test_an_unknown_training_data_name_fails_at_config_load():
+    from vllm_dlite.train.config import TrainConfig
+
+    cfg = TrainConfig.from_dict({"target": {"path": "/x"}, "run": {"out": "/y"},
+                                 "data": {"regenerate": {"kinds": {"code:docstrings": 4}}}})
+    with pytest.raises(ValueError, match="'code:docstrings'.*context must be one of"):
+        cfg.validate()

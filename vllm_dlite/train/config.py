@@ -17,6 +17,7 @@ from typing import Any, Optional
 from vllm_dlite.model.teacher import DEFAULT_WINDOW
 from vllm_dlite.train import losses
 from vllm_dlite.train.data import RegenerationConfig
+from vllm_dlite.train.workloads.generator import split_name
 
 STAGES = ("teacher", "kl", "stable")
 PAPER_EPOCHS = {"teacher": 8, "kl": 2, "stable": 6}
@@ -202,6 +203,11 @@ class TrainConfig:
         if self.eval.kinds and self.eval.split not in ("train", "heldout"):
             raise ValueError(f"eval.split must be 'train' or 'heldout', got {self.eval.split!r}")
         regen = self.data.regenerate
+        for name in list(regen.kinds) + list(self.eval.kinds):
+            try:
+                split_name(name)
+            except ValueError as e:
+                raise ValueError(f"data.regenerate.kinds / eval.kinds: {name!r}: {e}") from None
         if self.eval.kinds and self.eval.split == regen.split and self.eval.seed == regen.seed:
             raise ValueError(
                 f"eval.kinds would evaluate on the training sessions (split {regen.split!r}, seed "

@@ -43,8 +43,9 @@ DEFAULT_KINDS = {"agentic": 40, "code": 400, "chat": 400}
 # =========================================================================== 1. regeneration
 @dataclass
 class RegenerationConfig:
-    """What to regenerate. ``kinds`` maps workload kind -> number of SESSIONS (an agentic session
-    yields one request per assistant turn, capped by ``max_turns_per_session``)."""
+    """What to regenerate. ``kinds`` maps a workload name -> number of SESSIONS: ``agentic``,
+    ``code``, ``chat``, or ``code:file`` / ``code:docstring`` (whole-file code sessions). An
+    agentic session yields one request per assistant turn, capped by ``max_turns_per_session``."""
 
     kinds: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_KINDS))
     split: str = "train"
@@ -84,7 +85,7 @@ def build_requests(target: PathLike, cfg: RegenerationConfig, tokenizer=None) ->
     """Replay requests of the configured workloads, prompts truncated to the token budget."""
     from transformers import AutoTokenizer
 
-    from vllm_dlite.train.workloads.generator import generate
+    from vllm_dlite.train.workloads.generator import generate_named
     from vllm_dlite.train.workloads.replay import replay_requests
 
     if cfg.max_new_tokens >= cfg.max_len:
@@ -95,7 +96,7 @@ def build_requests(target: PathLike, cfg: RegenerationConfig, tokenizer=None) ->
     for kind, n_sessions in cfg.kinds.items():
         if n_sessions <= 0:
             continue
-        sessions = generate(kind, cfg.split, n_sessions, cfg.seed)
+        sessions = generate_named(kind, cfg.split, n_sessions, cfg.seed)
         for req in _spread_turns(replay_requests(sessions, tokenizer), cfg.max_turns_per_session):
             prompt = list(req.prompt_token_ids)
             dropped = max(0, len(prompt) - budget)

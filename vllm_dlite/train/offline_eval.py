@@ -231,7 +231,7 @@ def load_requests(tokenizer, workloads: Sequence[str] = (), kinds: Optional[dict
                   split: str = "heldout", seed: int = 1, max_prompt_tokens: Optional[int] = None,
                   max_requests_per_kind: Optional[int] = None) -> list:
     """Replay requests from workload JSONL files and/or freshly generated sessions."""
-    from vllm_dlite.train.workloads.generator import generate
+    from vllm_dlite.train.workloads.generator import generate_named
     from vllm_dlite.train.workloads.replay import replay_requests
     from vllm_dlite.train.workloads.schema import read_sessions
 
@@ -240,7 +240,7 @@ def load_requests(tokenizer, workloads: Sequence[str] = (), kinds: Optional[dict
         sessions.extend(read_sessions(path))
     for kind, n in (kinds or {}).items():
         if n > 0:
-            sessions.extend(generate(kind, split, n, seed))
+            sessions.extend(generate_named(kind, split, n, seed))
     requests = replay_requests(sessions, tokenizer, max_prompt_tokens=max_prompt_tokens)
     return select_requests(requests, max_requests_per_kind)
 

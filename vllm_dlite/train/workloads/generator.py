@@ -426,15 +426,26 @@ BUILDERS = {"agentic": agentic_session, "code": code_session, "chat": chat_sessi
 CODE_CONTEXTS = ("lines", "file", "docstring")
 
 
-def generate(kind: str, split: str, n: int, seed: int = 0, context: str = "lines") -> list[dict]:
-    """Return ``n`` sessions of ``kind`` drawn from files of ``split`` (deterministic);
-    ``context`` (code only): "lines" (30-80 lines before the body), "file" (all of them) or
-    "docstring" (the whole file, write a removed docstring back)."""
+def check_workload(kind: str, context: str = "lines") -> None:
     if kind not in BUILDERS:
         raise ValueError(f"kind must be one of {sorted(BUILDERS)}, got {kind!r}")
     if context not in CODE_CONTEXTS or (context != "lines" and kind != "code"):
         raise ValueError(f"context must be one of {CODE_CONTEXTS} and is for kind 'code' only, "
                          f"got kind {kind!r}, context {context!r}")
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """A training-data name, ``kind`` or ``kind:context`` (``code:docstring``), as (kind, context)."""
+    kind, _, context = name.partition(":")
+    check_workload(kind, context or "lines")
+    return kind, context or "lines"
+
+
+def generate(kind: str, split: str, n: int, seed: int = 0, context: str = "lines") -> list[dict]:
+    """Return ``n`` sessions of ``kind`` drawn from files of ``split`` (deterministic);
+    ``context`` (code only): "lines" (30-80 lines before the body), "file" (all of them) or
+    "docstring" (the whole file, write a removed docstring back)."""
+    check_workload(kind, context)
     rng = random.Random(f"{seed}:{kind}:{split}" + ("" if context == "lines" else f":{context}"))
     files = files_of_split(split)
     sessions: list[dict] = []
@@ -461,6 +472,17 @@ def generate(kind: str, split: str, n: int, seed: int = 0, context: str = "lines
             sessions.append(s)
     if len(sessions) < n:
         raise RuntimeError(f"only {len(sessions)} {kind} sessions could be built from {split} files")
+    return sessions
+
+
+def generate_named(name: str, split: str, n: int, seed: int = 0) -> list[dict]:
+    """:func:`generate` for a training-data name, ``kind`` or ``kind:context`` (``code:docstring``).
+    A context's session ids get ``:context`` appended, so a mix of contexts has unique ids."""
+    kind, context = split_name(name)
+    sessions = generate(kind, split, n, seed, context=context)
+    if context != "lines":
+        for s in sessions:
+            s["id"] = f"{s['id']}:{context}"
     return sessions
 
 
