@@ -20,6 +20,7 @@
 # speculators makes on SIGINT/SIGTERM ("interrupted") is NOT resumed from. A copy committed under
 # resume/<name>/ seeds a machine whose runs/ lacks one.
 # Overrides: EPOCHS=... METHODS="eagle3 dflash dspark" DATA=... EAGLE3_ARGS="--ttt-steps 7" \
+#   MAX_LEN=32768 (whole prompts) OUT_DIR=... (models/ by default) NAME=... (the target's basename) \
 #   REUSE=runs/dlite-qwen3-tiny-stdlib/data/features/hidden_states (DLite's feature files, same data)
 #   bash scripts/train_baselines_tiny.sh [extra flags for every method]
 # CPU: set OMP_NUM_THREADS=1 and run one METHODS value per process to train two methods at once.
@@ -30,10 +31,12 @@ TARGET=${TARGET:-models/qwen3-tiny-stdlib}
 DATA=${DATA:-runs/dlite-qwen3-tiny-stdlib/data/sequences.jsonl}
 WORK=${WORK:-runs/baselines}
 EPOCHS=${EPOCHS:-6}
-METHODS=${METHODS:-eagle3 dflash}
+METHODS=${METHODS-eagle3 dflash}  # METHODS= (empty): write the feature store only
 EAGLE3_ARGS=${EAGLE3_ARGS:---ttt-steps 7 --speculators-arg=--checkpoint-freq=0.25}
 REUSE=${REUSE:-}
-NAME=$(basename "$TARGET")
+NAME=${NAME:-$(basename "$TARGET")}
+MAX_LEN=${MAX_LEN:-4096}
+OUT_DIR=${OUT_DIR:-models}
 FEATURES=$WORK/features-$NAME
 export TOKENIZERS_PARALLELISM=false
 
@@ -49,9 +52,9 @@ if [ ! -f "$DATA.meta.json" ]; then
 fi
 
 # 2. target features once (resumable), 3. train + export each baseline
-STORE=(--target "$TARGET" --data "$DATA" --work-dir "$WORK" --features "$FEATURES" --max-len 4096)
+STORE=(--target "$TARGET" --data "$DATA" --work-dir "$WORK" --features "$FEATURES" --max-len "$MAX_LEN")
 if [ -n "$REUSE" ]; then STORE+=(--reuse-features "$REUSE"); fi
-"$PY" -m lab.baselines --method dflash --out "models/dflash-$NAME" "${STORE[@]}" \
+"$PY" -m lab.baselines --method dflash --out "$OUT_DIR/dflash-$NAME" "${STORE[@]}" \
   --features-only
 for METHOD in $METHODS; do
   if [ ! -d "$WORK/$METHOD-$NAME/checkpoints" ] && [ -d "resume/$METHOD-$NAME/checkpoints" ]; then
@@ -59,6 +62,6 @@ for METHOD in $METHODS; do
   fi
   EXTRA=()
   if [ "$METHOD" = eagle3 ] && [ -n "$EAGLE3_ARGS" ]; then read -r -a EXTRA <<< "$EAGLE3_ARGS"; fi
-  "$PY" -m lab.baselines --method "$METHOD" --out "models/$METHOD-$NAME" \
+  "$PY" -m lab.baselines --method "$METHOD" --out "$OUT_DIR/$METHOD-$NAME" \
     "${STORE[@]}" --epochs "$EPOCHS" "${EXTRA[@]}" "$@"
 done
