@@ -45,3 +45,17 @@ def test_token_acceptance_splits_reached_slots_by_copy():
 
     with pytest.raises(SystemExit, match="cover 2 tokens"):
         token_acceptance(bad, replies, copied, {"all": [0]})
+
+
+def test_acceptance_past_each_drafters_training_length(tmp_path):
+    from lab.experiments.copy_share import acceptance_past_training_length, training_length
+
+    replies, copied = [[0] * 5], [[False, True, True, False, False]]
+    methods = {"m": {"per_request_rounds": [[[3, 2], [2, 0]]]}}  # reached slots 1, 2 (ok), 3, 4 (rejected)
+    # a 100-token prompt and a training length of 102: positions 101, 102 within, 103, 104 past
+    out = acceptance_past_training_length(methods, [100], replies, copied, {"m": 102})
+    assert out == {"m": {"training_length": 102, "within": {"copied": [2, 2], "not_copied": [0, 0]},
+                         "past": {"copied": [0, 0], "not_copied": [0, 2]}}}
+    (tmp_path / "README.md").write_text("- command: `python -m lab.baselines --method eagle3 --max-len 4096 --epochs 6`")
+    assert training_length(tmp_path) == 4096
+    assert training_length(tmp_path / "missing") is None

@@ -125,6 +125,38 @@ def token_acceptance(methods: dict, replies: list[list[int]], copied: list[list[
     return out
 
 
+def training_length(drafter: str | Path) -> int | None:
+    """The longest sequence a drafter was trained on, in tokens: a DLite export's
+    ``training_report.json`` (``config.data.max_len``, its last cycle), a baseline's ``--max-len``
+    (the command in its README); None when the directory says neither."""
+    d = Path(drafter)
+    if (d / "training_report.json").is_file():
+        return json.loads((d / "training_report.json").read_text())["config"]["data"]["max_len"]
+    found = re.search(r"--max-len (\d+)", (d / "README.md").read_text()) if (d / "README.md").is_file() else None
+    return int(found.group(1)) if found else None
+
+
+def acceptance_past_training_length(methods: dict, prompt_tokens: list[int], replies: list[list[int]],
+                                    copied: list[list[bool]], lengths: dict[str, int]) -> dict:
+    """Per method with a training length ``L``: acceptance of the reached draft slots whose absolute
+    position (prompt tokens + reply position) is ``<= L`` (``within``) and ``> L`` (``past``), on
+    copied and non-copied reply positions (``[accepted, reached]`` each)."""
+    out = {}
+    for m, length in lengths.items():
+        rounds = methods[m].get("per_request_rounds")
+        if not rounds or not length:
+            continue
+        cells = {w: {"copied": [0, 0], "not_copied": [0, 0]} for w in ("within", "past")}
+        for i, reply in enumerate(replies):
+            for pos, ok in reached_slots(len(reply), rounds[i])[0]:
+                c = cells["past" if prompt_tokens[i] + pos > length else "within"]
+                c = c["copied" if copied[i][pos] else "not_copied"]
+                c[0] += ok
+                c[1] += 1
+        out[m] = dict(training_length=length, **cells)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ab", type=Path, required=True, help="an ab.py result folder")
@@ -226,6 +258,19 @@ def main() -> None:
                 c, n = tokens[m][g]["copied"], tokens[m][g]["not_copied"]
                 cells.append(" / ".join(f"{a / r:.0%} ({r})" if r else "-" for a, r in (c, n)))
             lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    lengths = {m: training_length(d) for m, d in results["settings"].get("drafters", {}).items() if m in methods}
+    past = acceptance_past_training_length(methods, [len(p) for p in prompts], replies, copied_by_request,
+                                           {m: n for m, n in lengths.items() if n})
+    if past:
+        lines += ["", "Absolute position (prompt tokens + reply position) against each drafter's training length "
+                  "(the longest sequence it trained on): acceptance of the reached draft slots, copied / not copied "
+                  "(accepted / reached, in %; reached slots in brackets):", "",
+                  "| method | training length | within: copied / not copied | past: copied / not copied |",
+                  "| --- | --- | --- | --- |"]
+        for m, cell in past.items():
+            row = [" / ".join(f"{a / r:.0%} ({r})" if r else "-" for a, r in (cell[w]["copied"], cell[w]["not_copied"]))
+                   for w in ("within", "past")]
+            lines.append(f"| {m} | {cell['training_length']:,} | {row[0]} | {row[1]} |")
     corr = {}
     shares = [r["copied"] / max(r["reply_tokens"], 1) for r in per_request]
     for m in methods:
@@ -239,6 +284,7 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(dict(ab=str(args.ab), n=N, buckets=summary,
                                                           correlation=corr, by_length=by_length,
                                                           token_acceptance=tokens,
+                                                          past_training_length=past,
                                                           per_request=per_request), indent=2))
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
