@@ -33,7 +33,8 @@ if [ ! -f "$TARGET/model.safetensors" ]; then
   exit 1
 fi
 SAME=(--config configs/dlite-tiny.yaml --target "$TARGET" --sequences "$DATA"
-      --set data.max_len=32768 --set "data.regenerate.kinds.code:docstring=$DOCSTRINGS")
+      --set data.max_len=32768 --set "data.regenerate.kinds.code:docstring=$DOCSTRINGS"
+      --set data.regenerate.chunk_size=64)  # progress saved every 64 requests
 "$PY" -m vllm_dlite.train "${SAME[@]}" --only-data
 
 dlite() {
