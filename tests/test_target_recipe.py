@@ -24,6 +24,7 @@ def test_curriculum_caps_grow_to_the_window():
     assert caps == sorted(caps)
     assert caps[0] == 8192 and caps[30] == 16384 and caps[-1] == 30720
     assert CURRICULUM[-1][0] == 1.0
+    assert {length_cap(p / 100, 30720, "full") for p in range(100)} == {30720}  # a run past the curriculum
 
 
 def test_window_is_a_session_prefix_ending_at_an_assistant_turn(session, tok):

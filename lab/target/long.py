@@ -9,8 +9,8 @@ fine-tunes on what agents send: each step takes one training-split agentic sessi
 start (system prompt, tools, every tool result) up to the end of an assistant turn at <= L tokens,
 with the loss on *every* assistant turn of it (``CE_assistant + 0.1 * CE_all``). L follows a
 length curriculum: up to 8k for the first quarter of the run, 16k for the second, then the full
-window; a share of steps (``--short-share``) trains on short code/chat sessions instead, so that
-the short skills stay. With ``--file-sessions N``, a share of the long steps (``--file-share``)
+window (``--curriculum full``: the full window from the first step); a share of steps
+(``--short-share``) trains on short code/chat sessions instead, so that the short skills stay. With ``--file-sessions N``, a share of the long steps (``--file-share``)
 trains on whole-file code sessions no longer than the step's length cap (their lengths drawn
 uniformly up to it), N per context in ``--file-contexts``: ``file`` (complete a body given the
 whole file before it) and ``docstring`` (write back a docstring removed from the whole file):
@@ -40,7 +40,9 @@ from .train import add_device_arguments, render_sessions, resolve_device
 CURRICULUM = ((0.25, 8192), (0.5, 16384), (1.0, None))  # (until this fraction of the run, max tokens)
 
 
-def length_cap(progress: float, max_len: int) -> int:
+def length_cap(progress: float, max_len: int, curriculum: str = "grow") -> int:
+    if curriculum == "full":
+        return max_len
     return next(cap or max_len for until, cap in CURRICULUM if progress < until or until == 1.0)
 
 
@@ -87,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated generator contexts of the whole-file sessions: file, docstring")
     ap.add_argument("--file-share", type=float, default=0.5, help="share of long steps on them")
     ap.add_argument("--max-len", type=int, default=30720, help="longest window (tokens)")
+    ap.add_argument("--curriculum", choices=("grow", "full"), default="grow",
+                    help="grow: caps 8k / 16k / --max-len by quarter / quarter / half of the run; "
+                    "full: every step at --max-len (a run from weights that did the curriculum)")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--all-token-weight", type=float, default=0.1)
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         lr = args.lr * min(1.0, max(p, 1e-3) / 0.05) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
         for g in opt.param_groups:
             g["lr"] = lr
-        cap = length_cap(p, args.max_len)
+        cap = length_cap(p, args.max_len, args.curriculum)
         if rng.random() < args.short_share:
             rows = [supervised_window(d, s, 4096, rng) for d, s in rng.sample(short_items, args.short_batch)]
             kind = "short"
@@ -195,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     model.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
     append_stage(out, dict(
         stage="long", steps=step, time_budget_s=args.time_budget_s or None, device=str(device),
-        max_len=args.max_len, curriculum=[list(c) for c in CURRICULUM], short_share=args.short_share,
+        max_len=args.max_len, curriculum=[list(c) for c in CURRICULUM] if args.curriculum == "grow" else "full",
+        short_share=args.short_share,
         sessions=args.sessions, short_sessions=args.short_sessions, file_sessions=args.file_sessions,
         file_contexts=file_contexts if args.file_sessions else None,
         file_share=args.file_share if args.file_sessions else None, lr=args.lr, training_tokens=tokens,
