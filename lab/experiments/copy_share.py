@@ -99,11 +99,32 @@ def reached_slots(reply_len: int, rounds: list[list[int]]) -> tuple[list[tuple[i
     return out, p
 
 
+def tally_reached_slots(rounds: list, replies: list[list[int]], copied: list[list[bool]], names,
+                        groups_of) -> dict:
+    """``{group: {"copied": [accepted, reached], "not_copied": [...]}}`` over the reached draft slots
+    of every request, a slot counted in each group ``groups_of(request, reply position)`` names
+    (groups in the order of ``names``)."""
+    cells = {g: {"copied": [0, 0], "not_copied": [0, 0]} for g in names}
+    for i, reply in enumerate(replies):
+        for pos, ok in reached_slots(len(reply), rounds[i])[0]:
+            for g in groups_of(i, pos):
+                c = cells[g]["copied" if copied[i][pos] else "not_copied"]
+                c[0] += ok
+                c[1] += 1
+    return cells
+
+
+def acceptance_cell(cell: dict) -> str:
+    """``copied / not copied`` as ``accepted / reached`` in % with the reached slots in brackets."""
+    return " / ".join(f"{a / r:.0%} ({r})" if r else "-" for a, r in (cell["copied"], cell["not_copied"]))
+
+
 def token_acceptance(methods: dict, replies: list[list[int]], copied: list[list[bool]],
                      groups: dict[str, list[int]]) -> dict:
     """Per method and group of requests: acceptance of reached slots on copied and on non-copied
     reply positions (``{"copied": [accepted, reached], "not_copied": [...]}``)."""
     out = {}
+    in_groups = [[g for g, idx in groups.items() if i in idx] for i in range(len(replies))]
     for m, r in methods.items():
         rounds = r.get("per_request_rounds")
         if not rounds:
@@ -113,15 +134,7 @@ def token_acceptance(methods: dict, replies: list[list[int]], copied: list[list[
             last = rounds[i][-1][1] + 1 if rounds[i] else 0
             if not covered - last < len(reply) <= covered:
                 raise SystemExit(f"{m}: request {i}'s verifications cover {covered} tokens, its reply {len(reply)}")
-        out[m] = {}
-        for g, idx in groups.items():
-            cell = {"copied": [0, 0], "not_copied": [0, 0]}
-            for i in idx:
-                for pos, ok in reached_slots(len(replies[i]), rounds[i])[0]:
-                    c = cell["copied" if copied[i][pos] else "not_copied"]
-                    c[0] += ok
-                    c[1] += 1
-            out[m][g] = cell
+        out[m] = tally_reached_slots(rounds, replies, copied, groups, lambda i, pos: in_groups[i])
     return out
 
 
@@ -146,13 +159,8 @@ def acceptance_past_training_length(methods: dict, prompt_tokens: list[int], rep
         rounds = methods[m].get("per_request_rounds")
         if not rounds or not length:
             continue
-        cells = {w: {"copied": [0, 0], "not_copied": [0, 0]} for w in ("within", "past")}
-        for i, reply in enumerate(replies):
-            for pos, ok in reached_slots(len(reply), rounds[i])[0]:
-                c = cells["past" if prompt_tokens[i] + pos > length else "within"]
-                c = c["copied" if copied[i][pos] else "not_copied"]
-                c[0] += ok
-                c[1] += 1
+        cells = tally_reached_slots(rounds, replies, copied, ("within", "past"), lambda i, pos, n=length:
+                                    ("past" if prompt_tokens[i] + pos > n else "within",))
         out[m] = dict(training_length=length, **cells)
     return out
 
@@ -255,8 +263,7 @@ def main() -> None:
         for g in next(iter(tokens.values())):
             cells = []
             for m in tokens:
-                c, n = tokens[m][g]["copied"], tokens[m][g]["not_copied"]
-                cells.append(" / ".join(f"{a / r:.0%} ({r})" if r else "-" for a, r in (c, n)))
+                cells.append(acceptance_cell(tokens[m][g]))
             lines.append(f"| {g} | " + " | ".join(cells) + " |")
     lengths = {m: training_length(d) for m, d in results["settings"].get("drafters", {}).items() if m in methods}
     past = acceptance_past_training_length(methods, [len(p) for p in prompts], replies, copied_by_request,
@@ -268,9 +275,8 @@ def main() -> None:
                   "| method | training length | within: copied / not copied | past: copied / not copied |",
                   "| --- | --- | --- | --- |"]
         for m, cell in past.items():
-            row = [" / ".join(f"{a / r:.0%} ({r})" if r else "-" for a, r in (cell[w]["copied"], cell[w]["not_copied"]))
-                   for w in ("within", "past")]
-            lines.append(f"| {m} | {cell['training_length']:,} | {row[0]} | {row[1]} |")
+            lines.append(f"| {m} | {cell['training_length']:,} | {acceptance_cell(cell['within'])} | "
+                         f"{acceptance_cell(cell['past'])} |")
     corr = {}
     shares = [r["copied"] / max(r["reply_tokens"], 1) for r in per_request]
     for m in methods:

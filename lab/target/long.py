@@ -10,11 +10,12 @@ start (system prompt, tools, every tool result) up to the end of an assistant tu
 with the loss on *every* assistant turn of it (``CE_assistant + 0.1 * CE_all``). L follows a
 length curriculum: up to 8k for the first quarter of the run, 16k for the second, then the full
 window (``--curriculum full``: the full window from the first step); a share of steps
-(``--short-share``) trains on short code/chat sessions instead, so that the short skills stay. With ``--file-sessions N``, a share of the long steps (``--file-share``)
-trains on whole-file code sessions no longer than the step's length cap (their lengths drawn
-uniformly up to it), N per context in ``--file-contexts``: ``file`` (complete a body given the
-whole file before it) and ``docstring`` (write back a docstring removed from the whole file):
-long prompts whose reply is not a copy of them. Gradient checkpointing keeps 30k-token steps within ~6 GB on CPU.
+(``--short-share``) trains on short code/chat sessions instead, so that the short skills stay.
+With ``--file-sessions N``, a share of the long steps (``--file-share``) trains on whole-file code
+sessions no longer than the step's length cap (their lengths drawn uniformly up to it), N per
+context in ``--file-contexts``: ``file`` (complete a body given the whole file before it) and
+``docstring`` (write back a docstring removed from the whole file): long prompts whose reply is
+not a copy of them. Gradient checkpointing keeps 30k-token steps within ~6 GB on CPU.
 
 Resumable: every ``--save-every-s`` seconds the model, optimizer, step and elapsed time go to
 ``--state``; rerunning the same command continues from there (the schedule follows the elapsed
