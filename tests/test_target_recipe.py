@@ -173,3 +173,30 @@ def test_long_stage_trains_whole_file_completions_within_the_length_cap(tmp_path
     assert all(r["tokens_in_step"] <= r["cap"] and math.isfinite(r["assistant_ce"]) for r in log)
     stage = json.loads((tmp_path / "out" / "training_report.json").read_text())["stages"][-1]
     assert stage["file_sessions"] == 6 and stage["file_share"] == 1
+
+
+def test_averaging_targets_takes_the_mean_of_every_tensor_and_refuses_other_shapes(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lab.target.average import average
+
+    a, b, c = (tmp_path / n for n in "abc")
+    for d, scale in ((a, 1.0), (b, 3.0)):
+        d.mkdir()
+        save_file({"w": torch.full((2, 3), scale, dtype=torch.bfloat16), "n": torch.tensor([scale])},
+                  str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({"scale": scale}))
+    average([a, b], tmp_path / "mean")
+    mean = load_file(str(tmp_path / "mean" / "model.safetensors"))
+    assert mean["w"].dtype == torch.bfloat16 and torch.equal(mean["w"].float(), torch.full((2, 3), 2.0))
+    assert mean["n"].item() == 2.0
+    assert json.loads((tmp_path / "mean" / "config.json").read_text()) == {"scale": 1.0}
+    report = json.loads((tmp_path / "mean" / "training_report.json").read_text())
+    assert report["stages"][-1]["sources"] == [str(a), str(b)]
+    c.mkdir()
+    save_file({"w": torch.zeros(3, 2)}, str(c / "model.safetensors"))
+    with pytest.raises(SystemExit, match="does not match"):
+        average([a, c], tmp_path / "bad")
