@@ -24,12 +24,12 @@ WEIGHTS = "model.safetensors"
 
 def average(sources: list[Path], out: Path) -> None:
     states = [load_file(str(src / WEIGHTS)) for src in sources]
-    for src, state in zip(sources[1:], states[1:]):
-        mismatch = {k: tuple(v.shape) for k, v in state.items() if k not in states[0]
-                    or states[0][k].shape != v.shape} | {k: None for k in states[0] if k not in state}
-        if mismatch:
+    shapes = [{k: v.shape for k, v in state.items()} for state in states]
+    for src, other in zip(sources[1:], shapes[1:]):
+        differ = sorted(k for k in shapes[0].keys() | other.keys() if shapes[0].get(k) != other.get(k))
+        if differ:
             raise SystemExit(f"error: {src} does not match {sources[0]} tensor for tensor "
-                             f"(first: {sorted(mismatch)[:3]}): average targets of one architecture")
+                             f"(first: {differ[:3]}): average targets of one architecture")
     mean = {k: (sum(s[k].float() for s in states) / len(states)).to(t.dtype).contiguous()
             for k, t in states[0].items()}
     out.mkdir(parents=True, exist_ok=True)
